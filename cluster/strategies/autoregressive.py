@@ -1,0 +1,21 @@
+"""Plain autoregressive decoding with the target: the baseline every strategy is measured against."""
+from __future__ import annotations
+
+from ..sampling import sample
+from .base import StepContext, Strategy, register
+
+
+@register
+class Autoregressive(Strategy):
+    name = "autoregressive"
+    help = "one target forward pass per token"
+
+    def roles(self) -> list[str]:
+        return [self.target_name]
+
+    def step(self, ctx: StepContext) -> list[int]:
+        p = ctx.probs(ctx.target.score(ctx.rid, []))        # [1, V]
+        ctx.stats.forward(self.target_name, target=True)
+        tok = sample(p[0], ctx.rng)
+        ctx.commit([ctx.target], 0, [tok])
+        return [tok]

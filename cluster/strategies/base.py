@@ -1,0 +1,143 @@
+"""What a decoding strategy is, and the typed options it declares.
+
+A strategy is a small object with ``roles()`` (the models it needs) and ``step(ctx)`` (emit one or
+more tokens).  Options are declared once, as :class:`Option` objects; the CLI flags, YAML defaults
+and the gRPC request's options map are all parsed and range-checked through them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..errors import ParamError, check_choice, check_float, check_int
+from ..model import ModelHandle
+from ..sampling import Rng, SamplingParams, logits_to_probs
+from ..stats import RequestStats
+
+
+@dataclass(frozen=True)
+class Option:
+    """A strategy parameter: its type, default, allowed range and help text."""
+
+    name: str
+    kind: type                      # int, float or str
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple | Callable[[], tuple] | None = None
+    parser: Callable[[Any], Any] | None = None   # custom parser for structured values (raises ParamError)
+
+    def allowed_choices(self) -> tuple | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+    def parse(self, value: Any) -> Any:
+        if self.parser is not None:
+            return self.parser(value)
+        if self.kind is int:
+            value = check_int(self.name, value, self.low, self.high)
+        elif self.kind is float:
+            value = check_float(self.name, value, self.low, self.high,
+                                low_open=self.low_open, high_open=self.high_open)
+        else:
+            value = str(value)
+        choices = self.allowed_choices()
+        return check_choice(self.name, value, choices) if choices else value
+
+
+@dataclass
+class StepContext:
+    """Everything a strategy's step may touch for one request."""
+
+    rid: str
+    models: dict[str, ModelHandle]
+    target_name: str
+    sampling: SamplingParams
+    rng: Rng
+    stats: RequestStats
+    tokens: list[int]          # committed sequence: prompt + tokens emitted so far
+    budget: int                # the step may emit at most this many tokens (>= 1)
+    extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
+
+    @property
+    def target(self) -> ModelHandle:
+        return self.models[self.target_name]
+
+    def probs(self, logits: torch.Tensor, sampling: SamplingParams | None = None) -> torch.Tensor:
+        return logits_to_probs(logits, sampling or self.sampling)
+
+    def commit(self, handles, kept: int, new: list[int]) -> None:
+        """Roll ``handles`` back to ``len(tokens) + kept`` tokens, then append ``new`` (pending)."""
+        length = len(self.tokens) + kept
+        for h in handles:
+            h.rollback(self.rid, length)
+            if new:
+                h.extend(self.rid, new)
+
+
+class Strategy:
+    """Base class. Subclasses set ``name``, ``options``, and implement ``roles`` and ``step``."""
+
+    name: ClassVar[str]
+    help: ClassVar[str] = ""
+    options: ClassVar[tuple[Option, ...]] = ()
+    lossless: ClassVar[bool] = True
+
+    def __init__(self, opts: dict[str, Any], models: dict[str, ModelHandle], target: str):
+        self.opts, self.models, self.target_name = opts, models, target
+
+    def roles(self) -> list[str]:
+        raise NotImplementedError
+
+    def step(self, ctx: StepContext) -> list[int]:
+        raise NotImplementedError
+
+    # helpers shared by strategies
+    def drafter_names(self) -> list[str]:
+        return [n for n in self.models if n != self.target_name]
+
+    def check_drafter(self, name: str, option: str = "drafter") -> str:
+        drafters = [n for n in self.drafter_names() if hasattr(self.models[n], "propose")]
+        if name not in drafters:
+            raise ParamError(option, "one of " + ", ".join(drafters), name)
+        return name
+
+
+REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a strategy available by name to the engine, CLI, bench and servers."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def all_options() -> dict[str, Option]:
+    """The union of every registered strategy's options (same name => same declaration)."""
+    out: dict[str, Option] = {}
+    for cls in REGISTRY.values():
+        for opt in cls.options:
+            out.setdefault(opt.name, opt)
+    return out
+
+
+def resolve_options(strategy: str, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Validated options for ``strategy``: request values over config defaults over declared defaults.
+
+    Unknown option names raise :class:`ParamError` naming the options the strategy accepts.
+    """
+    cls = REGISTRY[strategy]
+    declared = {o.name: o for o in cls.options}
+    for key in given:
+        if key not in declared:
+            raise ParamError("option", f"options of strategy {strategy}: "
+                             + (", ".join(declared) or "none"), key)
+    out = {}
+    for name, opt in declared.items():
+        value = given.get(name, defaults.get(name, opt.default))
+        out[name] = None if value is None else opt.parse(value)
+    return out

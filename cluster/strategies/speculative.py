@@ -1,0 +1,48 @@
+"""Speculative sampling with one neural drafter (Leviathan et al. 2023; Chen et al. 2023).
+
+Each step: the drafter proposes k tokens (k forward passes), the target scores them in one forward
+pass, and a verifier from :data:`cluster.verify.VERIFIERS` keeps a prefix plus one more token.
+"""
+from __future__ import annotations
+
+from ..verify import VERIFIERS
+from .base import Option, StepContext, Strategy, register
+
+DRAFTER = Option("drafter", str, None, "drafter model name (default: the config's first drafter)")
+K = Option("k", int, 4, "draft tokens per step", low=1, high=64)
+VERIFY = Option("verify", str, "token", "draft verifier", choices=lambda: tuple(VERIFIERS))
+
+
+@register
+class Speculative(Strategy):
+    name = "speculative"
+    help = "draft k tokens with a neural drafter, verify them in one target pass"
+    options = (DRAFTER, K, VERIFY)
+
+    def __init__(self, opts, models, target):
+        super().__init__(opts, models, target)
+        self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
+        self.k = opts["k"]
+        self.verify = VERIFIERS[opts["verify"]]
+
+    def roles(self) -> list[str]:
+        return [self.target_name, self.drafter]
+
+    def step(self, ctx: StepContext) -> list[int]:
+        return speculative_step(ctx, self.drafter, min(self.k, ctx.budget - 1), self.verify)
+
+
+def speculative_step(ctx: StepContext, drafter_name: str, k: int, verify) -> list[int]:
+    """One draft-score-verify step; returns the emitted tokens (accepted + 1)."""
+    drafter, target = ctx.models[drafter_name], ctx.target
+    draft, q_logits = drafter.propose(ctx.rid, k) if k > 0 else ([], None)   # [k], [k, V]
+    ctx.stats.forward(drafter_name, len(draft))
+    p = ctx.probs(target.score(ctx.rid, draft))                                # [k+1, V]
+    ctx.stats.forward(ctx.target_name, target=True)
+    q = ctx.probs(q_logits) if draft else p[:0]
+    verdict = verify(draft, q, p, ctx.rng)
+    new = draft[:verdict.accepted] + [verdict.next_token]
+    if draft:
+        ctx.stats.verification(len(draft), verdict.accepted)
+    ctx.commit([target, drafter], verdict.accepted, [verdict.next_token])
+    return new

@@ -1,0 +1,43 @@
+"""Tokenizers the engine uses: HF tokenizers from a checkpoint dir, or raw bytes for tiny models."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 plus an end-of-text token 256 (used by the tiny test models)."""
+
+    vocab_size = 257
+    eos_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Adapter over ``transformers.AutoTokenizer`` loaded from a local directory."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.vocab_size = len(self.tok)
+        self.eos_token_id = self.tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
