@@ -26,24 +26,39 @@ class Verdict:
     bonus: bool  # True when next_token is a bonus token (whole draft accepted)
 
 
+def gen_spec_verify(draft: list[int], q: torch.Tensor, pi: torch.Tensor, p_bonus: torch.Tensor,
+                    rng: Rng) -> Verdict:
+    """GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Algorithm 4).
+
+    draft:   ``[L]`` tokens x_1..x_L drawn from the drafter;
+    q:       ``[L, V]`` drafter distributions q_i = q(. | x^{i-1});
+    pi:      ``[L, V]`` target distributions pi_i = T(q_i, p_i) to mimic at each draft position;
+    p_bonus: ``[V]``   verifier distribution after the whole draft, p(. | x^L).
+
+    Accept x_i with probability min(1, pi_i(x_i) / q_i(x_i)); at the first rejection emit a
+    **recovered** token from norm(max(0, pi_i - q_i)); if all L are **accepted** emit a **bonus**
+    token from p_bonus.  Each emitted token at a draft position is distributed exactly as pi_i.
+    """
+    L = len(draft)
+    assert q.shape[0] == L and pi.shape[0] == L, (q.shape, pi.shape, L)
+    for i, x in enumerate(draft):
+        pix, qx = float(pi[i, x]), float(q[i, x])
+        if not rng.bernoulli(pix / qx if qx > 0 else 1.0 if pix > 0 else 0.0):
+            return Verdict(i, sample(residual(pi[i], q[i]), rng), bonus=False)
+    return Verdict(L, sample(p_bonus, rng), bonus=True)
+
+
 def verify_tokens(draft: list[int], q: torch.Tensor, p: torch.Tensor, rng: Rng) -> Verdict:
     """Token-level speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2).
 
-    draft: ``[L]`` tokens x_1..x_L drawn from the drafter;
-    q:     ``[L, V]`` drafter distributions, q[i] = M_s(. | x^{i});
-    p:     ``[L+1, V]`` verifier distributions, p[i] = M_b(. | x^{i}).
-
-    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a
-    recovered token from norm(max(0, p_i - q_i)); if all L are accepted emit a bonus token from
-    p_L.  The emitted tokens are distributed exactly as the verifier's (Leviathan et al., Thm 3.5).
+    q: ``[L, V]`` drafter distributions; p: ``[L+1, V]`` verifier distributions p_i = M_b(. | x^{i-1}).
+    This is :func:`gen_spec_verify` with pi = p: accept x_i w.p. min(1, p_i(x_i) / q_i(x_i)), recover
+    from norm(max(0, p_i - q_i)), bonus from p_{L+1}.  The output is distributed exactly as the
+    verifier (Leviathan et al., Theorem 3.5): lossless.
     """
     L = len(draft)
-    assert q.shape[0] == L and p.shape[0] == L + 1, (q.shape, p.shape, L)
-    for i, x in enumerate(draft):
-        px, qx = float(p[i, x]), float(q[i, x])
-        if not rng.bernoulli(px / qx if qx > 0 else 1.0 if px > 0 else 0.0):
-            return Verdict(i, sample(residual(p[i], q[i]), rng), bonus=False)
-    return Verdict(L, sample(p[L], rng), bonus=True)
+    assert p.shape[0] == L + 1, (p.shape, L)
+    return gen_spec_verify(draft, q, p[:L], p[L], rng)
 
 
 # Verifiers by name (``--verify``); each maps (draft [L], q [L, V], p [L+1, V], rng) -> Verdict.
