@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", default="0")
     b.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate() peers")
     b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
+    b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
 
     d = sub.add_parser("demo", help="build the family if needed, complete held-out prompts, print stats")
     _add_config(d)
