@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from .cluster_config import ClusterSpec
 from .errors import ConfigError, ParamError
 from .sampling import SamplingParams
 
@@ -103,12 +104,31 @@ class GenerationSpec:
 
 
 @dataclass(frozen=True)
+class MagSpec:
+    """The Max-Gram statistical drafter (paper 002, section 3.3), served as model ``name``.
+
+    ``bigram``: a table file from ``specserve mag build-bigram`` (default: built from the zoo's training
+    corpus and cached, see :func:`cluster.mag.default_bigram_path`).
+    """
+
+    name: str = "mag"
+    bigram: str | None = None
+    max_ngram: int = 24
+
+    def validate(self, path: str) -> None:
+        if self.max_ngram < 1:
+            raise ConfigError(f"{path}.max_ngram: must be >= 1, got {self.max_ngram}")
+
+
+@dataclass(frozen=True)
 class Config:
     models: dict[str, ModelSpec]
     target: str = "target"
     engine: EngineSpec = field(default_factory=EngineSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     zoo_cache_dir: str | None = None
+    mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/cluster_config.py)
     source: str = "<dict>"
 
     def validate(self) -> None:
@@ -119,8 +139,13 @@ class Config:
             if spec.tiny is not None and spec.tiny.truncate is not None and \
                     (self.models[self.target].tiny is None or name == self.target):
                 raise ConfigError(f"models.{name}.tiny.truncate: needs a tiny target other than itself")
+        if self.mag is not None:
+            self.mag.validate("mag")
+            if self.mag.name in self.models:
+                raise ConfigError(f"mag.name: {self.mag.name!r} clashes with a model in models")
         self.engine.validate("engine")
         self.generation.validate("generation")
+        self.cluster.validate("cluster")
         drafter = self.engine.options.get("drafter")
         if drafter is not None and (drafter not in self.models or drafter == self.target):
             raise ConfigError(f"engine.options.drafter: {drafter!r} is not a drafter in models")

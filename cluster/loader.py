@@ -62,6 +62,11 @@ def load_models(cfg: Config) -> tuple[dict[str, HFWorker], Tokenizer]:
     vocab = {n: w.vocab_size for n, w in workers.items()}
     if len(set(vocab.values())) != 1:
         raise ConfigError(f"models: all models must share one vocabulary, got sizes {vocab}")
+    if cfg.mag is not None:                  # the Max-Gram drafter (config section ``mag``)
+        from .mag import MagHandle, bigram_for
+        V = workers[cfg.target].vocab_size
+        workers[cfg.mag.name] = MagHandle(V, bigram_for(cfg, tokenizer, V), name=cfg.mag.name,
+                                          max_ngram=cfg.mag.max_ngram)
     return workers, tokenizer
 
 

@@ -1,0 +1,44 @@
+"""Speculative decoding with the Max-Gram (MaG) drafter alone (paper 002, section 3.3).
+
+MaG's proposals are deterministic (one-hot q), so token verification accepts x w.p. p(x) and
+recovers from p with x removed: exact, at the cost of nothing but the target's forward passes.
+"""
+from __future__ import annotations
+
+from ..errors import ParamError
+from ..verify import VERIFIERS
+from .base import Strategy, StepContext, register
+from .speculative import K, VERIFY, speculative_step
+
+MAG_NAME = "mag"
+
+
+def find_mag(models) -> str:
+    """The name of the served MaG drafter (config section ``mag``)."""
+    from ..mag import MagHandle
+    for name, m in models.items():
+        if isinstance(m, MagHandle) or getattr(m, "is_mag", False):
+            return name
+    if MAG_NAME in models:
+        return MAG_NAME
+    raise ParamError("strategy", "a config with a `mag:` section (the Max-Gram drafter is not served)",
+                     ", ".join(models))
+
+
+@register
+class Mag(Strategy):
+    name = "mag"
+    help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
+    options = (K, VERIFY)
+
+    def __init__(self, opts, models, target):
+        super().__init__(opts, models, target)
+        self.mag = find_mag(models)
+        self.k = opts["k"]
+        self.verify = VERIFIERS[opts["verify"]]
+
+    def roles(self) -> list[str]:
+        return [self.target_name, self.mag]
+
+    def step(self, ctx: StepContext) -> list[int]:
+        return speculative_step(ctx, self.mag, min(self.k, ctx.budget - 1), self.verify)
