@@ -1,0 +1,67 @@
+"""A Ray actor hosting one model (:class:`cluster.worker.HFWorker`) behind the ModelHandle methods.
+
+The coordinator talks to it through :class:`cluster.remote.RemoteHandle`, which queues the calls that
+return nothing (prefill, rollback, extend) and sends them with the next call that returns something,
+so each decoding step costs one round trip per model:
+
+    call(rid, ops, method, args) -> (result, compute seconds)
+
+``ops`` is a list of ``(name, args)`` applied in order before ``method`` (``"propose"``, ``"score"``
+or ``"noop"``).  Results are plain Python / CPU tensors; the compute time lets the benchmark split a
+step's wall time into RPC overhead and model compute.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+OPS = ("prefill", "rollback", "extend")
+METHODS = ("propose", "score", "noop")
+
+
+class ModelHost:
+    """The actor body (plain class: :mod:`actors.tp` reuses it for tensor-parallel ranks)."""
+
+    def __init__(self, cfg, name: str, threads: int = 1):
+        torch.set_num_threads(threads)
+        from .loading import build_worker
+        self.worker = build_worker(cfg, name)
+        self.name = name
+
+    def info(self) -> dict:
+        w = self.worker
+        return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params)
+
+    def call(self, rid: str, ops: list, method: str, args: tuple = ()):
+        t0 = time.perf_counter()
+        for op, op_args in ops:
+            if op not in OPS:
+                raise ValueError(f"unknown op {op!r}")
+            getattr(self.worker, op)(rid, *op_args)
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}")
+        out = None if method == "noop" else getattr(self.worker, method)(rid, *args)
+        return out, time.perf_counter() - t0
+
+    def release(self, rid: str) -> None:
+        self.worker.release(rid)
+
+    def active_requests(self) -> list[str]:
+        return self.worker.active_requests()
+
+    def health(self) -> dict:
+        return dict(name=self.name, ok=True, active=len(self.worker.active_requests()))
+
+
+def model_actor_class():
+    """``ModelHost`` as a Ray actor class (imported lazily so this module loads without Ray)."""
+    import ray
+    return ray.remote(ModelHost)
+
+
+def start_model_actor(cfg, name: str, *, num_cpus: float, num_gpus: float = 0.0, threads: int = 1,
+                      concurrency: int = 4, **options):
+    """Create the actor for model ``name``; returns the handle (not yet waited on)."""
+    return model_actor_class().options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=concurrency,
+                                       **options).remote(cfg, name, threads)

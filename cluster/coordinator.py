@@ -1,0 +1,255 @@
+"""The coordinator of one serving unit: the in-process engine over remote model handles.
+
+It starts the unit's actors (the target, or its tensor-parallel group, and -- in the ``separated``
+topology -- one actor per drafter), builds :class:`cluster.engine.Engine` over
+:class:`cluster.remote.RemoteHandle` s (drafters of the ``default`` topology run in-process), and
+serves many requests concurrently: ``max_concurrent`` decode at once on a thread pool, up to
+``max_queue`` more wait, and beyond that a request is refused with
+:class:`cluster.errors.OverloadedError`.  A request's state is released on every model when it ends,
+fails or is cancelled (the engine's ``finally``), and a cancelled request stops after its current
+step.  This module is what the Ray Serve deployment (:mod:`cluster.serve_app`) runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Callable
+
+from .config import Config
+from .engine import Engine, GenerationRequest, GenerationResult, StreamChunk
+from .errors import OverloadedError
+from .strategies import REGISTRY
+
+log = logging.getLogger("specserve.coordinator")
+
+WARMUP_PROMPT = "def main():\n    "
+
+
+class Cancelled(Exception):
+    """The client went away; the request was stopped and its state released."""
+
+
+@dataclass
+class Live:
+    rid: str
+    strategy: str
+    admitted: float
+    state: str = "queued"          # queued | running
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    role: str                       # target | drafter
+    placement: str                  # local | actor | tp-group
+    handle: Any
+
+
+def build_unit(cfg: Config, topology: str | None = None):
+    """Start the actors of one unit; returns (entries by name, tokenizer, endpoints to kill)."""
+    import ray
+    from actors.loading import build_worker
+    from actors.model_actor import start_model_actor
+    from actors.tp import start_tp_group
+    from .loader import load_tokenizer
+    from .remote import Endpoint, RemoteHandle
+    cl = cfg.cluster
+    topology = topology or cl.topology
+    entries: dict[str, ModelEntry] = {}
+    endpoints: list[Endpoint] = []
+    # target: a TP group or one actor
+    tspec = cfg.models[cfg.target]
+    if cl.tp_size > 1:
+        actors, pg, info = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
+                                          num_gpus=cl.target.num_gpus, threads=cl.target.threads,
+                                          backend=cl.tp_backend(), device=tspec.device)
+        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg)
+        placement = "tp-group"
+    else:
+        actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
+                                  threads=cl.target.threads, concurrency=cl.actor_concurrency)
+        ep, placement = Endpoint([actor], timeout_s=cl.call_timeout_s), "actor"
+    pending = {cfg.target: (ep, placement)}
+    endpoints.append(ep)
+    for name in cfg.drafters:
+        if topology == "separated":
+            actor = start_model_actor(cfg, name, num_cpus=cl.drafters.num_cpus, num_gpus=cl.drafters.num_gpus,
+                                      threads=cl.drafters.threads, concurrency=cl.actor_concurrency)
+            pending[name] = (Endpoint([actor], timeout_s=cl.call_timeout_s), "actor")
+            endpoints.append(pending[name][0])
+        else:
+            entries[name] = ModelEntry(name, "drafter", "local", build_worker(cfg, name))
+    infos = ray.get([ep.actors[0].info.remote() for ep, _ in pending.values()], timeout=cl.call_timeout_s)
+    for (name, (ep, placement)), info in zip(pending.items(), infos):
+        role = "target" if name == cfg.target else "drafter"
+        entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
+    tokenizer = load_tokenizer(cfg)
+    for name, handle in _extra_models(cfg, tokenizer).items():
+        entries[name] = ModelEntry(name, "drafter", "local", handle)
+    ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
+    return ordered, tokenizer, endpoints
+
+
+def _extra_models(cfg: Config, tokenizer) -> dict:
+    """Non-neural drafters the loader knows how to build (e.g. Max-Gram): cheap, run in-process."""
+    from . import loader
+    build = getattr(loader, "load_extra_models", None)
+    return dict(build(cfg, tokenizer)) if build is not None else {}
+
+
+class Coordinator:
+    """One serving unit's engine, request admission and bookkeeping (see the module docstring)."""
+
+    def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None):
+        self.cfg, self.topology = cfg, topology or cfg.cluster.topology
+        self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
+        self.engine = Engine({n: e.handle for n, e in self.entries.items()}, self.tokenizer,
+                             target=cfg.target, default_strategy=cfg.engine.strategy,
+                             defaults=cfg.engine.options, max_new_tokens_limit=cfg.engine.max_new_tokens_limit)
+        cl = cfg.cluster
+        self.max_concurrent, self.max_queue = cl.max_concurrent, cl.max_queue
+        self._pool = ThreadPoolExecutor(cl.max_concurrent, thread_name_prefix="specserve-req")
+        self._live: dict[str, Live] = {}
+        self._lock = threading.Lock()
+        self.metrics = metrics
+        self.ready = False
+
+    # -- admission ------------------------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> GenerationRequest:
+        """Range-check ``req`` (raises ParamError); fixes its seed and request id."""
+        _, strategy, seed = self.engine.prepare(req)
+        return replace(req, seed=seed, strategy=strategy.name, request_id=req.request_id or uuid.uuid4().hex)
+
+    def _admit(self, req: GenerationRequest) -> Live:
+        with self._lock:
+            if req.request_id in self._live:
+                from .errors import ParamError
+                raise ParamError("request_id", "an id not used by a live request", req.request_id)
+            if len(self._live) >= self.max_concurrent + self.max_queue:
+                raise OverloadedError(f"server busy: {len(self._live)} requests in flight "
+                                      f"(max_concurrent {self.max_concurrent} + max_queue {self.max_queue})")
+            live = self._live[req.request_id] = Live(req.request_id, req.strategy, time.perf_counter())
+            return live
+
+    def _finish(self, live: Live) -> None:
+        with self._lock:
+            self._live.pop(live.rid, None)
+
+    # -- serving ----------------------------------------------------------------------------------
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """Validate, admit and run ``req``; yield its chunks. Closing the iterator (or cancelling the
+        task consuming it) stops the generation after its current step and frees its state."""
+        req = self.validate(req)
+        live = self._admit(req)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(kind: str, item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
+
+        fut = loop.run_in_executor(self._pool, self._run, req, live, emit, cancel)
+        done = False
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "error":
+                    done = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    done = True
+                    break
+        finally:
+            if not done:
+                cancel.set()
+                if fut.cancel():                 # still queued: never started
+                    self._finish(live)
+                    self._record(req.strategy, "cancelled", None, live)
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        async for chunk in self.stream(req):
+            if chunk.result is not None:
+                return chunk.result
+        raise RuntimeError("generation ended without a result")
+
+    def _run(self, req: GenerationRequest, live: Live, emit: Callable, cancel: threading.Event) -> None:
+        """Worker thread: drive the engine's generator, stopping between steps when cancelled."""
+        outcome, result = "error", None
+        try:
+            if cancel.is_set():
+                outcome = "cancelled"
+                return
+            live.state = "running"
+            gen = self.engine.stream(req)
+            try:
+                for chunk in gen:
+                    if chunk.result is not None:
+                        result, outcome = chunk.result, "ok"
+                    emit("chunk", chunk)
+                    if cancel.is_set() and result is None:
+                        outcome = "cancelled"
+                        break
+            finally:
+                gen.close()                      # engine's finally: release on every model
+        except BaseException as e:               # noqa: BLE001 - handed to the consumer
+            log.exception("request %s failed", req.request_id)
+            emit("error", e)
+        finally:
+            self._finish(live)
+            self._record(req.strategy, outcome, result, live)
+
+    def _record(self, strategy: str, outcome: str, result, live: Live) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.record(strategy, outcome, result, time.perf_counter() - live.admitted)
+            except Exception:                    # metrics never fail a request
+                log.exception("metrics")
+
+    # -- warm-up, health, introspection ------------------------------------------------------------
+    def warmup(self, tokens: int | None = None) -> None:
+        """Run every registered strategy the unit can serve for a few tokens; then ``ready``."""
+        tokens = self.cfg.cluster.warmup_tokens if tokens is None else tokens
+        if tokens:
+            for name in sorted(REGISTRY):
+                req = GenerationRequest(prompt=WARMUP_PROMPT, max_new_tokens=tokens, seed=0, strategy=name,
+                                        request_id=f"warmup-{name}-{uuid.uuid4().hex[:8]}", ignore_eos=True)
+                try:
+                    self.engine.generate(req)
+                except Exception as e:           # a strategy this unit cannot serve (missing model)
+                    log.warning("warm-up of %s skipped: %s", name, e)
+        self.ready = True
+
+    def health(self) -> dict:
+        """Ping every actor (raises if one is gone)."""
+        return {e.name: (e.handle.endpoint.health() if e.placement != "local" else [{"ok": True}])
+                for e in self.entries.values()}
+
+    def live_requests(self) -> list[Live]:
+        with self._lock:
+            return list(self._live.values())
+
+    def active_requests(self) -> dict[str, list[str]]:
+        """Per model, the request ids holding state there (asks the actors)."""
+        return {n: list(getattr(e.handle, "active_requests", list)()) for n, e in self.entries.items()}
+
+    def timings(self) -> dict:
+        return {n: e.handle.timing for n, e in self.entries.items() if e.placement != "local"}
+
+    def reset_timings(self) -> None:
+        for e in self.entries.values():
+            if e.placement != "local":
+                e.handle.reset_timing()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ep in self._endpoints:
+            try:
+                ep.kill()
+            except Exception:
+                log.exception("killing actors")
