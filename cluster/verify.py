@@ -63,3 +63,5 @@ def verify_tokens(draft: list[int], q: torch.Tensor, p: torch.Tensor, rng: Rng) 
 
 # Verifiers by name (``--verify``); each maps (draft [L], q [L, V], p [L+1, V], rng) -> Verdict.
 VERIFIERS = {"token": verify_tokens}
+
+from . import block_verify  # noqa: E402,F401  registers VERIFIERS["block"] (imports Verdict from here)
