@@ -26,6 +26,15 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False):
+        """The Hugging Face call convention (``input_ids``, optional character ``offset_mapping``)."""
+        ids, offsets = [], []
+        for pos, ch in enumerate(text):
+            b = ch.encode("utf-8")
+            ids.extend(b)
+            offsets.extend([(pos, pos + 1)] * len(b))
+        return {"input_ids": ids, "offset_mapping": offsets} if return_offsets_mapping else {"input_ids": ids}
+
 
 class HFTokenizer:
     """Adapter over ``transformers.AutoTokenizer`` loaded from a local directory."""
@@ -41,3 +50,7 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def __call__(self, text: str, **kwargs):
+        """The Hugging Face call convention, delegated (offset mappings included)."""
+        return self.tok(text, **kwargs)
