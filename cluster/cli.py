@@ -61,11 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate() peers")
     b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
     b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
+    b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
 
     d = sub.add_parser("demo", help="build the family if needed, complete held-out prompts, print stats")
     _add_config(d)
     d.add_argument("--prompts", default="4")
     d.add_argument("--max-new-tokens", dest="max_new_tokens", default="48")
+    from .cluster_cli import add_cluster_commands
+    add_cluster_commands(sub)                    # up, down, client
     return parser
 
 
@@ -76,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "zoo":
             return cmd_zoo(args)
+        if args.command in ("up", "down", "client"):
+            from .cluster_cli import run_cluster_command
+            return run_cluster_command(args)
         if args.command == "bench":
             from .bench import cmd_bench
+            if args.cluster:
+                args.suite = "cluster"
             return cmd_bench(args)
         if args.command == "demo":
             return cmd_demo(args)

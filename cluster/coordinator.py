@@ -89,17 +89,19 @@ def build_unit(cfg: Config, topology: str | None = None):
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
     tokenizer = load_tokenizer(cfg)
-    for name, handle in _extra_models(cfg, tokenizer).items():
+    for name, handle in _extra_models(cfg, tokenizer, entries[cfg.target].handle.vocab_size).items():
         entries[name] = ModelEntry(name, "drafter", "local", handle)
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     return ordered, tokenizer, endpoints
 
 
-def _extra_models(cfg: Config, tokenizer) -> dict:
-    """Non-neural drafters the loader knows how to build (e.g. Max-Gram): cheap, run in-process."""
-    from . import loader
-    build = getattr(loader, "load_extra_models", None)
-    return dict(build(cfg, tokenizer)) if build is not None else {}
+def _extra_models(cfg: Config, tokenizer, vocab_size: int) -> dict:
+    """Non-neural drafters (the Max-Gram drafter of a ``mag:`` section): cheap, run in-process."""
+    if getattr(cfg, "mag", None) is None:
+        return {}
+    from .mag import MagHandle, bigram_for
+    return {cfg.mag.name: MagHandle(vocab_size, bigram_for(cfg, tokenizer, vocab_size), name=cfg.mag.name,
+                                    max_ngram=cfg.mag.max_ngram)}
 
 
 class Coordinator:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from . import specserve_pb2 as specserve__pb2
+from protos import specserve_pb2 as protos_dot_specserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in specserve_pb2_grpc.py depends on'
+        + ' but the generated code in protos/specserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class SpecServeStub:
         """
         self.Generate = channel.unary_unary(
                 '/specserve.v1.SpecServe/Generate',
-                request_serializer=specserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=specserve__pb2.GenerateResponse.FromString,
+                request_serializer=protos_dot_specserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/specserve.v1.SpecServe/GenerateStream',
-                request_serializer=specserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=specserve__pb2.GenerateChunk.FromString,
+                request_serializer=protos_dot_specserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.ServerInfo = channel.unary_unary(
                 '/specserve.v1.SpecServe/ServerInfo',
-                request_serializer=specserve__pb2.ServerInfoRequest.SerializeToString,
-                response_deserializer=specserve__pb2.ServerInfoResponse.FromString,
+                request_serializer=protos_dot_specserve__pb2.ServerInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_SpecServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=specserve__pb2.GenerateRequest.FromString,
-                    response_serializer=specserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=protos_dot_specserve__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_specserve__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=specserve__pb2.GenerateRequest.FromString,
-                    response_serializer=specserve__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=protos_dot_specserve__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_specserve__pb2.GenerateChunk.SerializeToString,
             ),
             'ServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerInfo,
-                    request_deserializer=specserve__pb2.ServerInfoRequest.FromString,
-                    response_serializer=specserve__pb2.ServerInfoResponse.SerializeToString,
+                    request_deserializer=protos_dot_specserve__pb2.ServerInfoRequest.FromString,
+                    response_serializer=protos_dot_specserve__pb2.ServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class SpecServe:
             request,
             target,
             '/specserve.v1.SpecServe/Generate',
-            specserve__pb2.GenerateRequest.SerializeToString,
-            specserve__pb2.GenerateResponse.FromString,
+            protos_dot_specserve__pb2.GenerateRequest.SerializeToString,
+            protos_dot_specserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class SpecServe:
             request,
             target,
             '/specserve.v1.SpecServe/GenerateStream',
-            specserve__pb2.GenerateRequest.SerializeToString,
-            specserve__pb2.GenerateChunk.FromString,
+            protos_dot_specserve__pb2.GenerateRequest.SerializeToString,
+            protos_dot_specserve__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class SpecServe:
             request,
             target,
             '/specserve.v1.SpecServe/ServerInfo',
-            specserve__pb2.ServerInfoRequest.SerializeToString,
-            specserve__pb2.ServerInfoResponse.FromString,
+            protos_dot_specserve__pb2.ServerInfoRequest.SerializeToString,
+            protos_dot_specserve__pb2.ServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
