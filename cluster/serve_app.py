@@ -96,7 +96,9 @@ def request_from_openai(body: Any, cfg: Config) -> tuple[GenerationRequest, bool
     gen = cfg.generation
     sampling = SamplingParams(temperature=_get(body, "temperature", gen.temperature),
                               top_p=_get(body, "top_p", gen.top_p), top_k=_get(body, "top_k", gen.top_k))
-    req = _request(cfg, prompt=text, prompt_ids=ids, max_new_tokens=_get(body, "max_tokens", gen.max_new_tokens),
+    max_tokens = check_int("max_tokens", _get(body, "max_tokens", gen.max_new_tokens), 1,
+                           cfg.engine.max_new_tokens_limit)
+    req = _request(cfg, prompt=text, prompt_ids=ids, max_new_tokens=max_tokens,
                    sampling=sampling, seed=body.get("seed"), stop=tuple(stop), strategy=strategy,
                    options=options, ignore_eos=bool(body.get("ignore_eos", False)), request_id=None)
     stream = body.get("stream", False)
@@ -337,3 +339,11 @@ def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = Fal
     serve.start(http_options={"host": cl.http_host, "port": cl.http_port},
                 grpc_options=gRPCOptions(port=cl.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
     return serve.run(build_app(cfg), name=cl.app_name, route_prefix="/", blocking=blocking)
+
+
+def app_builder(args: dict):
+    """Serve application builder (``import_path: cluster.serve_app:app_builder``, ``args: {config: PATH}``):
+    what a KubeRay RayService's ``serveConfigV2`` deploys (see k8s/).  The Serve config's
+    ``grpc_options`` / ``http_options`` must match the config's ``cluster`` ports."""
+    from .config import load_config
+    return build_app(load_config(args.get("config", "configs/local.yaml")))
