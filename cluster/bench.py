@@ -97,6 +97,7 @@ def run_main(args, cfg) -> int:
 
 
 SUITES = {"main": run_main}
+SUITES["cluster"] = lambda args, cfg: __import__("cluster.bench_cluster", fromlist=["_"]).run(args, cfg)
 
 
 def cmd_bench(args) -> int:

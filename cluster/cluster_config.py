@@ -16,6 +16,7 @@ from .errors import ConfigError
 
 TOPOLOGIES = ("default", "separated")
 BACKENDS = ("auto", "gloo", "nccl")
+TRANSPORTS = ("direct", "ray")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class ClusterSpec:
     topology: str = "default"
     tp_size: int = 1                  # target ranks (one placement group)
     backend: str = "auto"             # torch.distributed backend for TP: auto = nccl on GPU, else gloo
+    transport: str = "direct"         # per-step calls: direct actor sockets, or Ray actor tasks
     target: ActorResources = field(default_factory=ActorResources)        # per TP rank
     drafters: ActorResources = field(default_factory=ActorResources)      # per drafter actor (separated)
     coordinator: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=1.0))
@@ -60,6 +62,8 @@ class ClusterSpec:
     def validate(self, path: str) -> None:
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{path}.transport: one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name, low, high in (("tp_size", 1, 1024), ("actor_concurrency", 1, 1024),

@@ -50,7 +50,7 @@ class ModelEntry:
     handle: Any
 
 
-def build_unit(cfg: Config, topology: str | None = None):
+def build_unit(cfg: Config, topology: str | None = None, transport: str | None = None):
     """Start the actors of one unit; returns (entries by name, tokenizer, endpoints to kill)."""
     import ray
     from actors.loading import build_worker
@@ -60,32 +60,32 @@ def build_unit(cfg: Config, topology: str | None = None):
     from .remote import Endpoint, RemoteHandle
     cl = cfg.cluster
     topology = topology or cl.topology
+    direct = (transport or cl.transport) == "direct"
     entries: dict[str, ModelEntry] = {}
-    endpoints: list[Endpoint] = []
-    # target: a TP group or one actor
+    # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
+    started: dict[str, tuple] = {}
     tspec = cfg.models[cfg.target]
-    if cl.tp_size > 1:
-        actors, pg, info = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
-                                          num_gpus=cl.target.num_gpus, threads=cl.target.threads,
-                                          backend=cl.tp_backend(), device=tspec.device)
-        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg)
-        placement = "tp-group"
-    else:
+    if cl.tp_size > 1:                           # the target: a TP group (loads while it starts) ...
+        actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
+                                       num_gpus=cl.target.num_gpus, threads=cl.target.threads,
+                                       backend=cl.tp_backend(), device=tspec.device)
+        started[cfg.target] = (actors, pg, "tp-group")
+    else:                                        # ... or one actor
         actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
                                   threads=cl.target.threads, concurrency=cl.actor_concurrency)
-        ep, placement = Endpoint([actor], timeout_s=cl.call_timeout_s), "actor"
-    pending = {cfg.target: (ep, placement)}
-    endpoints.append(ep)
+        started[cfg.target] = ([actor], None, "actor")
     for name in cfg.drafters:
         if topology == "separated":
             actor = start_model_actor(cfg, name, num_cpus=cl.drafters.num_cpus, num_gpus=cl.drafters.num_gpus,
                                       threads=cl.drafters.threads, concurrency=cl.actor_concurrency)
-            pending[name] = (Endpoint([actor], timeout_s=cl.call_timeout_s), "actor")
-            endpoints.append(pending[name][0])
+            started[name] = ([actor], None, "actor")
         else:
             entries[name] = ModelEntry(name, "drafter", "local", build_worker(cfg, name))
-    infos = ray.get([ep.actors[0].info.remote() for ep, _ in pending.values()], timeout=cl.call_timeout_s)
-    for (name, (ep, placement)), info in zip(pending.items(), infos):
+    infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=cl.call_timeout_s)
+    endpoints: list[Endpoint] = []
+    for (name, (actors, pg, placement)), info in zip(started.items(), infos):
+        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg, direct=direct)
+        endpoints.append(ep)
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
     tokenizer = load_tokenizer(cfg)
@@ -107,9 +107,10 @@ def _extra_models(cfg: Config, tokenizer, vocab_size: int) -> dict:
 class Coordinator:
     """One serving unit's engine, request admission and bookkeeping (see the module docstring)."""
 
-    def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None):
+    def __init__(self, cfg: Config, *, topology: str | None = None, transport: str | None = None, metrics=None):
         self.cfg, self.topology = cfg, topology or cfg.cluster.topology
-        self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
+        self.transport = transport or cfg.cluster.transport
+        self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology, self.transport)
         self.engine = Engine({n: e.handle for n, e in self.entries.items()}, self.tokenizer,
                              target=cfg.target, default_strategy=cfg.engine.strategy,
                              defaults=cfg.engine.options, max_new_tokens_limit=cfg.engine.max_new_tokens_limit)

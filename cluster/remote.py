@@ -13,39 +13,97 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .sampling import SamplingParams
 
 
 class Endpoint:
-    """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group."""
+    """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group.
 
-    def __init__(self, actors: list, *, timeout_s: float = 300.0, placement_group=None):
+    ``direct=True`` sends ``call`` / ``release`` over the actors' direct sockets
+    (:meth:`actors.model_actor.ModelHost.serve_direct`; one connection per caller thread, or one shared
+    connection per rank for a TP group, used under a lock so every rank sees the same order);
+    otherwise as Ray actor tasks.  Ray always carries the rest (info, health, active_requests).
+    """
+
+    def __init__(self, actors: list, *, timeout_s: float = 300.0, placement_group=None, direct: bool = True):
+        import ray
         self.actors, self.timeout_s, self.placement_group = list(actors), timeout_s, placement_group
         self._submit = threading.Lock()      # every rank must see calls in the same order
+        self._addrs = ray.get([a.serve_direct.remote() for a in self.actors], timeout=timeout_s) \
+            if direct else None
+        self._local = threading.local()
+        self._shared = None                  # TP: one connection per rank
 
-    def _all(self, method: str, *args):
+    @property
+    def direct(self) -> bool:
+        return self._addrs is not None
+
+    def _ray_all(self, method: str, *args):
         import ray
         with self._submit:
             refs = [getattr(a, method).remote(*args) for a in self.actors]
         return ray.get(refs, timeout=self.timeout_s)
 
+    def _connect(self) -> list:
+        from multiprocessing.connection import Client
+        return [Client((host, port), authkey=key) for host, port, key in self._addrs]
+
+    def _direct_all(self, method: str, *args):
+        msg = (method, args)
+        if len(self.actors) == 1:
+            conns = getattr(self._local, "conns", None)
+            if conns is None:
+                conns = self._local.conns = self._connect()
+            try:
+                conns[0].send(msg)
+                return [self._reply(conns[0])]
+            except (TimeoutError, EOFError, OSError):
+                self._local.conns = None          # out of step: reconnect next time
+                raise
+        with self._submit:
+            if self._shared is None:
+                self._shared = self._connect()
+            try:
+                for c in self._shared:
+                    c.send(msg)
+                return [self._reply(c) for c in self._shared]
+            except (TimeoutError, EOFError, OSError):
+                self._shared = None
+                raise
+
+    def _reply(self, conn):
+        if not conn.poll(self.timeout_s):
+            raise TimeoutError(f"model call took longer than {self.timeout_s}s")
+        status, out = conn.recv()
+        if status == "err":
+            raise out
+        return out
+
     def call(self, rid: str, ops: list, method: str, args: tuple):
         """-> (result of rank 0, its compute seconds)."""
-        return self._all("call", rid, ops, method, args)[0]
+        if self.direct:
+            return self._direct_all("call", rid, ops, method, args)[0]
+        return self._ray_all("call", rid, ops, method, args)[0]
 
     def release(self, rid: str) -> None:
-        self._all("release", rid)
+        if self.direct:
+            self._direct_all("release", rid)
+        else:
+            self._ray_all("release", rid)
 
     def active_requests(self) -> list[str]:
-        return self._all("active_requests")[0]
+        return self._ray_all("active_requests")[0]
 
     def health(self) -> list[dict]:
-        return self._all("health")
+        return self._ray_all("health")
 
     def kill(self) -> None:
         import ray
+        for c in self._shared or []:
+            c.close()
         for a in self.actors:
             ray.kill(a, no_restart=True)
         if self.placement_group is not None:
@@ -131,4 +189,13 @@ class RemoteHandle:
         t.calls += 1
         t.wall_s += time.perf_counter() - t0
         t.compute_s += compute
-        return out
+        return _unpack(out)
+
+
+def _unpack(out):
+    """numpy arrays from the actor back to tensors (copied: Ray hands out read-only buffers)."""
+    if isinstance(out, np.ndarray):
+        return torch.from_numpy(out.copy())
+    if isinstance(out, tuple):
+        return tuple(_unpack(x) for x in out)
+    return out
