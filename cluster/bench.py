@@ -98,6 +98,8 @@ def run_main(args, cfg) -> int:
 
 SUITES = {"main": run_main}
 SUITES["cluster"] = lambda args, cfg: __import__("cluster.bench_cluster", fromlist=["_"]).run(args, cfg)
+SUITES["verify"] = lambda args, cfg: __import__("cluster.bench_verify", fromlist=["_"]).run_verify(args, cfg)
+SUITES["cascades"] = lambda args, cfg: __import__("cluster.bench_verify", fromlist=["_"]).run_cascades(args, cfg)
 
 
 def cmd_bench(args) -> int:

@@ -153,12 +153,18 @@ def test_spec_cascade_emits_its_pi(rule, alpha, vocab, seed):
     assert max_abs_diff(first, {t: v for t, v in enumerate(pi1.tolist()) if v > 0}) < 1e-12
 
 
-def test_spec_cascade_with_temperature_follows_appendix_c():
-    target, drafter = _models(4, 6)
-    s = SamplingParams(0.6, top_p=0.9)
-    fn = lambda q, p, qr, pr: cascade_target(q, p, "opt", 0.3, qr, pr)
-    got = _engine_dist(target, drafter, "spec_cascade", {"rule": "opt", "alpha": 0.3, "k": 2}, 2, s)
-    assert max_abs_diff(got, _pi_joint(target, drafter, 2, s, fn)) < 1e-9
+@pytest.mark.parametrize("rule,alpha,sampling,seed", [("chow", 0.05, SamplingParams(0.5), 6),
+                                                      ("opt", 0.05, SamplingParams(1.5), 7),
+                                                      ("token_v1", 0.05, SamplingParams(0.5), 8)])
+def test_spec_cascade_with_temperature_follows_appendix_c(rule, alpha, sampling, seed):
+    """Rules on the unscaled distributions, mixture on the scaled ones -- and this is observable:
+    reading the scaled ones in the rule would give a different law."""
+    target, drafter = _models(4, seed)
+    fn = lambda q, p, qr, pr: cascade_target(q, p, rule, alpha, qr, pr)
+    got = _engine_dist(target, drafter, "spec_cascade", {"rule": rule, "alpha": alpha, "k": 2}, 2, sampling)
+    assert max_abs_diff(got, _pi_joint(target, drafter, 2, sampling, fn)) < 1e-9
+    scaled_rule = _pi_joint(target, drafter, 2, sampling, lambda q, p, qr, pr: cascade_target(q, p, rule, alpha))
+    assert max_abs_diff(got, scaled_rule) > 0.1
 
 
 @pytest.mark.parametrize("alpha", [0.3, 0.7])

@@ -1,0 +1,259 @@
+"""Benchmark suites of the verification family: ``verify`` (block vs token) and ``cascades``.
+
+``specserve bench --suite verify``: speculative sampling at temperature 1 with every neural drafter
+and L in {4, 6, 8}; token and block verification side by side, interleaved prompt by prompt with the
+same seeds.  Besides the realised accepted tokens per target call, every verification step records
+the *expected* accepted length of both verifiers on the very same draft (token: sum_i prod_{j<=i}
+min(1, p_j/q_j); block: sum_i p_i, paper 004 Lemma 2) -- a paired, low-variance estimate.
+
+``specserve bench --suite cascades``: cost-quality curves at temperature 1.  Every speculative cascade
+rule, lossy speculative sampling and the sequential TokenCascade[Chow] swept over alpha; x = latency
+relative to the target alone (walltime; target calls per token; and a parameter-count cost model
+(target calls + drafter calls * n_drafter / n_target) per token), y = chrF (sacrebleu) of the
+completions against the held-out files' true continuations.  Writes a PNG plot and a CSV/JSON table.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .bench import Row, print_table, write_results
+from .engine import GenerationRequest
+from .errors import check_int
+from .sampling import SamplingParams
+
+VERIFY_LS = (4, 6, 8)
+T1 = SamplingParams(1.0)
+
+
+def _prompts(engine, n: int) -> list[dict]:
+    from .corpus import heldout_prompts
+    return heldout_prompts(engine.tokenizer, n)
+
+
+def _run(engine, strategy: str, options: dict, sampling: SamplingParams, max_new: int, ids, seed, row: Row):
+    t0 = time.perf_counter()
+    res = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
+                                            strategy=strategy, options=options, ignore_eos=True))
+    row.seconds += time.perf_counter() - t0
+    s = res.stats
+    row.tokens += s.generated_tokens
+    row.target_calls += s.target_forwards
+    row.draft_calls += sum(s.drafter_forwards.values())
+    row.accepted += s.accepted_tokens
+    row.steps += s.steps
+    return res
+
+
+# -- verify: block vs token ------------------------------------------------------------------------
+
+def expected_accepted(draft: list[int], q: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """(token, block) expected accepted draft tokens for one draft, over the verifier's coins only."""
+    from .block_verify import block_weights
+    L = len(draft)
+    if L == 0:
+        return 0.0, 0.0
+    idx = torch.tensor(draft)
+    pb = p[:L].to(torch.float64).gather(-1, idx[:, None])[:, 0]
+    qs = q.to(torch.float64).gather(-1, idx[:, None])[:, 0]
+    ratio = torch.where(qs > 0, pb / torch.where(qs > 0, qs, 1.0), torch.ones_like(pb)).clamp(max=1.0)
+    token = float(torch.cumprod(ratio, 0).sum())
+    block = float(block_weights(draft, q, p)[0][1:].sum())
+    return token, block
+
+
+def run_verify(args, cfg) -> int:
+    from .loader import build_engine
+    from .verify import VERIFIERS
+    engine = build_engine(cfg)
+    n = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    prompts = [p["prompt_ids"] for p in _prompts(engine, n)]
+    drafters = [d for d in cfg.drafters if d in engine.models and hasattr(engine.models[d], "propose")
+                and getattr(engine.models[d], "num_params", 0)]
+    rows: dict[tuple, Row] = {}
+    expect: dict[tuple, list[float]] = {}        # key -> [sum token E, sum block E, calls]
+    current: list = [None]
+    originals = dict(VERIFIERS)
+
+    def recording(name):
+        fn = originals[name]
+
+        def verify(draft, q, p, rng):
+            if current[0] is not None and draft:
+                tok, blk = expected_accepted(draft, q, p)
+                acc = expect.setdefault(current[0], [0.0, 0.0, 0])
+                acc[0] += tok
+                acc[1] += blk
+                acc[2] += 1
+            return fn(draft, q, p, rng)
+        return verify
+
+    configs = [(d, L, v) for d in drafters for L in VERIFY_LS for v in ("token", "block")]
+    try:
+        for name in ("token", "block"):
+            VERIFIERS[name] = recording(name)
+        for d, L, v in configs:                                               # warm-up (not timed)
+            _run(engine, "speculative", {"drafter": d, "k": L, "verify": v}, T1, 8, prompts[0][:16], 0, Row("w"))
+        for i, ids in enumerate(prompts):
+            order = configs if i % 2 == 0 else configs[::-1]                   # alternate to cancel drift
+            for d, L, v in order:
+                key = (d, L, v)
+                current[0] = key
+                _run(engine, "speculative", {"drafter": d, "k": L, "verify": v}, T1, max_new, ids, 1000 + i,
+                     rows.setdefault(key, Row(f"{d} L={L} {v}")))
+                current[0] = None
+    finally:
+        VERIFIERS.update(originals)
+
+    table = []
+    for d in drafters:
+        for L in VERIFY_LS:
+            t, b = rows[(d, L, "token")], rows[(d, L, "block")]
+            et, eb = expect.get((d, L, "token"), [0, 0, 1]), expect.get((d, L, "block"), [0, 0, 1])
+            # paired expectation: both verifiers' E[accepted] on all drafts seen in either run
+            e_tok = (et[0] + eb[0]) / max(1, et[2] + eb[2])
+            e_blk = (et[1] + eb[1]) / max(1, et[2] + eb[2])
+            table.append(dict(
+                drafter=d, L=L,
+                token_acc_per_call=round(t.accepted_per_call, 3), block_acc_per_call=round(b.accepted_per_call, 3),
+                measured_gain_pct=round(100 * (b.accepted_per_call / t.accepted_per_call - 1), 2)
+                if t.accepted_per_call else None,
+                token_E_acc=round(e_tok, 4), block_E_acc=round(e_blk, 4),
+                expected_gain_pct=round(100 * (e_blk / e_tok - 1), 2) if e_tok else None,
+                token_tok_s=round(t.tokens_per_s, 2), block_tok_s=round(b.tokens_per_s, 2),
+                speed_ratio=round(b.tokens_per_s / t.tokens_per_s, 3) if t.tokens_per_s else None,
+                steps=t.steps + b.steps))
+    title = (f"verify: block vs token verification, temperature 1, {len(prompts)} held-out prompts x {max_new} "
+             f"tokens, config {cfg.source}")
+    print_table(table, title)
+    print("acc_per_call = realised accepted draft tokens per target call; E_acc = expected accepted tokens of "
+          "each verifier on the same drafts (paired); tok_s = generated tokens per second")
+    write_results(table, Path(args.out), "bench_verify")
+    print(f"results written to {Path(args.out) / 'bench_verify'}.{{csv,json}}")
+    return 0
+
+
+# -- cascades: cost-quality curves -----------------------------------------------------------------
+
+ALPHAS = {
+    "chow": (0.0, 0.2, 0.4, 0.6, 0.8),
+    "diff": (-0.1, 0.0, 0.1, 0.2, 0.4),
+    "opt": (-0.5, 0.0, 0.3, 0.6, 0.9),
+    "token_v1": (0.0, 0.1, 0.2, 0.35, 0.5),
+    "token_v2": (0.0, 0.1, 0.2, 0.35, 0.5),
+    "token_v3": (0.0, 0.3, 0.6, 0.8, 0.95),
+}
+LOSSY_ALPHAS = (0.0, 0.3, 0.6, 0.8, 0.95)
+CHOW_SEQ_ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def cascade_configs(drafter: str, k: int, rules=None) -> list[tuple[str, str, dict]]:
+    """(method, strategy, options) for every point of the sweep, target alone first."""
+    out = [("target", "autoregressive", {})]
+    for rule in rules or ALPHAS:
+        out += [(f"spec_cascade[{rule}]", "spec_cascade", {"drafter": drafter, "k": k, "rule": rule, "alpha": a})
+                for a in ALPHAS[rule]]
+    out += [("lossy", "lossy", {"drafter": drafter, "k": k, "alpha": a}) for a in LOSSY_ALPHAS]
+    out += [("token_cascade[chow]", "token_cascade", {"drafter": drafter, "alpha": a}) for a in CHOW_SEQ_ALPHAS]
+    return out
+
+
+def chrf(hyps: list[str], refs: list[str]) -> float:
+    import sacrebleu
+    return float(sacrebleu.corpus_chrf(hyps, [refs]).score)
+
+
+def cheapest_at(points: list[dict], levels: dict[str, float], cost: str) -> list[dict]:
+    """For each method and quality level: the cheapest point whose chrF reaches the level."""
+    out = []
+    for label, level in levels.items():
+        row = {"quality": f"{label} (chrF >= {level:.2f})", "cost": cost}
+        for m in sorted({p["method"] for p in points if p["method"] != "target"}):
+            ok = [p[cost] for p in points if p["method"] == m and p["chrF"] >= level]
+            row[m] = round(min(ok), 3) if ok else None
+        out.append(row)
+    return out
+
+
+def plot_curves(points: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5), sharey=True)
+    methods = [m for m in dict.fromkeys(p["method"] for p in points) if m != "target"]
+    target = next(p for p in points if p["method"] == "target")
+    for ax, x, label in ((axes[0], "rel_walltime", "walltime per token relative to target alone"),
+                         (axes[1], "rel_cost_model", "cost model per token (target = 1, drafter = n_d/n_t)"),
+                         (axes[2], "target_calls_per_token", "target calls per generated token")):
+        for m in methods:
+            pts = sorted((p for p in points if p["method"] == m), key=lambda p: p[x])
+            style = "--" if m.startswith("token_cascade") else ":" if m == "lossy" else "-"
+            ax.plot([p[x] for p in pts], [p["chrF"] for p in pts], style, marker="o", ms=3, label=m)
+        ax.scatter([target[x]], [target["chrF"]], marker="*", s=150, c="k", zorder=5, label="target alone")
+        ax.axhline(target["chrF"], color="k", lw=0.5, ls=":")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("chrF vs true continuation")
+    axes[2].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_cascades(args, cfg) -> int:
+    from .loader import build_engine
+    engine = build_engine(cfg)
+    n = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    items = _prompts(engine, n)
+    drafter = cfg.engine.options.get("drafter") or cfg.drafters[0]
+    k = int(cfg.engine.options.get("k", 4))
+    configs = cascade_configs(drafter, k)
+    rows = [Row(f"{m} {o.get('alpha', '')}") for m, _, o in configs]
+    hyps: list[list[str]] = [[] for _ in configs]
+    for m, s, o in configs:                                                   # warm-up (not timed)
+        _run(engine, s, o, T1, 8, items[0]["prompt_ids"][:16], 0, Row("w"))
+    t_start = time.perf_counter()
+    for i, it in enumerate(items):
+        order = list(range(len(configs)))
+        if i % 2:
+            order.reverse()
+        for j in order:
+            m, s, o = configs[j]
+            res = _run(engine, s, o, T1, max_new, it["prompt_ids"], 2000 + i, rows[j])
+            hyps[j].append(engine.tokenizer.decode(res.token_ids))
+        print(f"  prompt {i + 1}/{len(items)} done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+    refs = [it["reference"] for it in items]
+    base = rows[0]
+    base_s_per_tok = base.seconds / base.tokens
+    # parameter-count cost model (noise-free on a shared machine): a drafter pass costs n_d / n_t target passes
+    ratio = engine.models[drafter].num_params / max(1, engine.models[cfg.target].num_params)
+    points = []
+    for (m, s, o), row, hy in zip(configs, rows, hyps):
+        points.append(dict(method=m, alpha=o.get("alpha"), chrF=round(chrf(hy, refs), 3),
+                           rel_walltime=round((row.seconds / row.tokens) / base_s_per_tok, 4),
+                           rel_cost_model=round((row.target_calls + ratio * row.draft_calls) / row.tokens, 4),
+                           target_calls_per_token=round(row.calls_per_token, 4),
+                           drafter_calls_per_token=round(row.draft_calls / row.tokens, 4),
+                           accepted_per_call=round(row.accepted_per_call, 3), tokens_per_s=round(row.tokens_per_s, 2)))
+    title = (f"cascades: {drafter} -> {cfg.target}, k={k}, temperature 1, {len(items)} held-out prompts x {max_new} "
+             f"tokens, config {cfg.source}")
+    print_table(points, title)
+    target_q = points[0]["chrF"]
+    floor = max((p["chrF"] for p in points if p["method"] == "token_cascade[chow]" and p["alpha"] == 1.0),
+                default=min(p["chrF"] for p in points))
+    levels = {"target": target_q, "90% of gap": floor + 0.9 * (target_q - floor),
+              "75% of gap": floor + 0.75 * (target_q - floor), "50% of gap": floor + 0.5 * (target_q - floor)}
+    summary = (cheapest_at(points, levels, "rel_walltime") + cheapest_at(points, levels, "rel_cost_model")
+               + cheapest_at(points, levels, "target_calls_per_token"))
+    print_table(summary, "cheapest point per method reaching each quality level (gap = drafter-only .. target chrF)")
+    out = Path(args.out)
+    write_results(points, out, "bench_cascades")
+    write_results(summary, out, "bench_cascades_summary")
+    plot_curves(points, out / "bench_cascades.png", title)
+    print(f"results written to {out / 'bench_cascades'}.{{csv,json,png}}")
+    return 0
