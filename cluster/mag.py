@@ -322,7 +322,7 @@ def bigram_for(cfg, tokenizer, vocab_size: int | None = None, *, max_chars: int 
         return load_bigram(path)
     if not build:
         raise FileNotFoundError(f"no MaG bigram table at {path}: run `specserve mag build-bigram`")
-    table = build_bigram(tokenizer, corpus_texts(max_chars if path is not None else 300_000),
+    table = build_bigram(tokenizer, corpus_texts(max_chars if path is not None else 100_000),
                          vocab_size=vocab_size or tokenizer.vocab_size)
     if path is not None:
         save_bigram(table, path)

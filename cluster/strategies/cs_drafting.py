@@ -1,0 +1,263 @@
+"""Cascade Speculative Drafting (paper 002, Chen et al.): vertical + horizontal cascades, exact under sampling.
+
+Models: the target (index 0) and an ordered drafter list ``drafters`` = [d_1, ..., d_n] (largest first;
+normally ending with the Max-Gram drafter ``mag``).  Only the last drafter ever *proposes*; every other
+drafter only *reviews* (one ``score`` forward pass over the draft of the drafters below it), so no
+neural drafter decodes autoregressively (vertical cascade, section 3.1).
+
+**K-matrix** (section 3.4, appendix B): an n x n upper-triangular integer matrix.  Row r holds the
+budgets used when model r reviews (r = 0: the target; r >= 1: drafter d_r); column j (0-based) is
+drafter d_{j+1}.  Entries left of the diagonal (j < r) must be 0: a model drafts only for larger ones.
+When model r builds its draft it walks its row left to right (horizontal cascade, section 3.2: larger
+drafters produce the earlier positions, smaller ones the later ones):
+
+* K[r][j] for a drafter that is not the last one = the number of *review steps* of d_{j+1}: each step
+  recursively builds d_{j+1}'s own draft from row j+1, scores it in one forward pass and appends the
+  accepted tokens plus one (so at least one token per step);
+* K[r][n-1] for the last drafter = the number of tokens it proposes in one call.
+
+Example (the paper's decoder-only setting): drafters ``[drafter-small, mag]`` with K = [[2, 10], [0, 10]]:
+the target reviews a draft made of 2 review steps of drafter-small (each over 10 MaG tokens) followed by
+10 more MaG tokens.  Drafts never exceed the tokens the request may still emit.
+
+**Lenience** l >= 1 applies only where a drafter reviews, never the target (section 3.1):
+
+* greedy (temperature 0): a draft token x with proposal probability q(x) is accepted if it is the
+  reviewer's argmax or q(x) <= l * p(x) (p: the reviewer's temperature-1 softmax); on rejection the
+  reviewer's argmax is emitted;
+* sampling: GenSpecSample (paper 000, Algorithm 4) with pi = lossy_target(q, p, alpha = 1 - 1/l)
+  (:func:`cluster.cascades.lossy_target`); l = 1 is plain speculative sampling (pi = p).
+
+**Exactness.** Each level hands up, with every token it emits, the distribution that token was drawn
+from given everything before it: the reviewer's pi_i for an accepted or resampled token, the reviewer's
+own p_{L+1} for a bonus token, a one-hot for MaG (whose proposals are deterministic).  The level above
+verifies against exactly those, so every draft it sees satisfies x_i | past ~ q_i, which is all
+speculative sampling needs; the target (lenience 1, any verifier of ``--verify``) therefore emits exactly
+its own distribution whatever the lenience below it.  (The paper's code is greedy only.)
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..cascades import lossy_target
+from ..errors import ParamError, check_float
+from ..sampling import UNSCALED, logits_to_probs
+from ..verify import VERIFIERS, gen_spec_verify
+from .base import Option, StepContext, Strategy, register
+from .speculative import VERIFY
+
+MAX_BUDGET = 64
+
+
+def parse_drafters(value) -> tuple[str, ...]:
+    """A drafter list from YAML (a list) or a flag (``"drafter-small,mag"``)."""
+    if isinstance(value, str):
+        names = [s.strip() for s in value.split(",") if s.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        names = [s.strip() for s in value]
+    else:
+        names = []
+    if not names or len(set(names)) != len(names):
+        raise ParamError("drafters", "a non-empty list of distinct drafter names, largest first "
+                         "(e.g. drafter-small,mag)", value)
+    return tuple(names)
+
+
+def parse_kmatrix(value) -> tuple[tuple[int, ...], ...]:
+    """A K-matrix from YAML (list of lists), JSON text, or a flag (rows ``;``-separated: ``"2,10;0,10"``)."""
+    allowed = (f"a square upper-triangular matrix of integers in [0, {MAX_BUDGET}], rows separated by ';' "
+               "(e.g. 2,10;0,10)")
+    rows = value
+    try:
+        if isinstance(value, str):
+            text = value.strip()
+            rows = json.loads(text) if text.startswith("[") else \
+                [[c for c in r.split(",")] for r in text.split(";") if r.strip()]
+        out = []
+        for row in rows:
+            cells = []
+            for c in row:
+                if isinstance(c, bool) or isinstance(c, float) and not c.is_integer():
+                    raise ValueError
+                cells.append(int(str(c).strip()) if isinstance(c, str) else int(c))
+            out.append(tuple(cells))
+    except (TypeError, ValueError, json.JSONDecodeError):
+        raise ParamError("kmatrix", allowed, value) from None
+    if not out or any(len(r) != len(out) for r in out) or \
+            any(not 0 <= c <= MAX_BUDGET for r in out for c in r) or \
+            any(out[r][j] for r in range(len(out)) for j in range(r)):
+        raise ParamError("kmatrix", allowed, value)
+    return tuple(out)
+
+
+def default_kmatrix(n: int, neural_bottom: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Each reviewer takes 2 review steps of the next drafter plus a tail from the bottom drafter
+    (4 tokens; 1 when the bottom is a neural drafter, which would decode autoregressively)."""
+    tail = 1 if neural_bottom else 4
+    rows = []
+    for r in range(n):
+        row = [0] * n
+        if r < n - 1:
+            row[r] = 2
+        row[n - 1] = tail if r < n - 1 else (2 if neural_bottom else 4)
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+DRAFTERS = Option("drafters", str, None, "cascade drafters, largest first, ending with the statistical "
+                  "drafter (default: the neural drafters by size, then mag)", parser=parse_drafters)
+KMATRIX = Option("kmatrix", str, None, "K-matrix: row r = budgets when model r reviews (r = 0 the target), "
+                 "column j = drafter j+1; rows ';'-separated, e.g. 2,10;0,10", parser=parse_kmatrix)
+LENIENCE = Option("lenience", float, 1.0, "lenience l >= 1 where a drafter reviews (never the target)",
+                  low=1.0, high=1000.0)
+
+
+@register
+class CSDrafting(Strategy):
+    name = "cs_drafting"
+    help = "Cascade Speculative Drafting: drafters review smaller drafters' drafts (vertical) and share " \
+           "draft positions by size (horizontal); lossless at the target"
+    options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY)
+
+    def __init__(self, opts, models, target):
+        super().__init__(opts, models, target)
+        names = opts["drafters"] or self._default_drafters()
+        for n in names:
+            self.check_drafter(n, "drafters")
+        self.names = tuple(names)
+        n = len(self.names)
+        neural_bottom = not _is_mag(models[self.names[-1]])
+        K = opts["kmatrix"] or default_kmatrix(n, neural_bottom)
+        if len(K) != n:
+            raise ParamError("kmatrix", f"a {n}x{n} upper-triangular matrix for drafters {','.join(self.names)} "
+                             "(row r: budgets when model r reviews, r = 0 the target; column j: drafter j+1)",
+                             ";".join(",".join(map(str, r)) for r in K))
+        for r, row in enumerate(K):
+            if not any(row):
+                who = "the target" if r == 0 else self.names[r - 1]
+                raise ParamError("kmatrix", f"row {r} ({who} reviewing) with at least one positive budget",
+                                 ",".join(map(str, row)))
+        self.K = K
+        self.lenience = check_float("lenience", opts["lenience"], 1.0, 1000.0)
+        self.verify = VERIFIERS[opts["verify"]]
+
+    def _default_drafters(self) -> tuple[str, ...]:
+        neural = sorted((n for n in self.drafter_names() if not _is_mag(self.models[n])),
+                        key=lambda n: -getattr(self.models[n], "num_params", 0))
+        mags = [n for n in self.drafter_names() if _is_mag(self.models[n])]
+        return tuple(neural + mags[:1])
+
+    def roles(self) -> list[str]:
+        return [self.target_name, *self.names]
+
+    def step(self, ctx: StepContext) -> list[int]:
+        run = _Cascade(ctx, self.names, self.K, self.lenience)
+        draft, qs = run.draft(0, [], ctx.budget - 1)                       # [L], L x [V]
+        target = ctx.target
+        run.sync(self.target_name, [])
+        p = ctx.probs(target.score(ctx.rid, draft))                         # [L+1, V]
+        ctx.stats.forward(self.target_name, target=True)
+        q = torch.stack(qs) if qs else p[:0]                               # [L, V]
+        verdict = self.verify(draft, q, p, ctx.rng)
+        run.tails[self.target_name] = list(draft)
+        if draft:
+            ctx.stats.verification(len(draft), verdict.accepted)
+        new = draft[:verdict.accepted] + [verdict.next_token]
+        for name in self.roles():
+            run.sync(name, new)
+        return new
+
+
+def _is_mag(handle) -> bool:
+    from ..mag import MagHandle
+    return isinstance(handle, MagHandle) or bool(getattr(handle, "is_mag", False))
+
+
+class _Cascade:
+    """One CS Drafting step's recursion (paper 002, Algorithm "CascadeSpeculativeDraftingStep").
+
+    ``tails[name]`` mirrors each handle's tokens beyond the committed sequence, so a model is brought
+    to any working sequence with one rollback + extend (:meth:`sync`) before it is used.
+    """
+
+    def __init__(self, ctx: StepContext, names, K, lenience: float):
+        self.ctx, self.names, self.K, self.lenience = ctx, names, K, lenience
+        self.base = len(ctx.tokens)
+        self.tails: dict[str, list[int]] = {n: [] for n in (ctx.target_name, *names)}
+        self.greedy = ctx.sampling.greedy
+
+    def dist(self, logits: torch.Tensor) -> torch.Tensor:
+        """Distributions handed up: processed for sampling; temperature-1 softmax for greedy lenience."""
+        return logits_to_probs(logits, UNSCALED if self.greedy else self.ctx.sampling)
+
+    def sync(self, name: str, work: list[int]) -> None:
+        """Make handle ``name`` hold committed + ``work`` (common prefix kept, no forward pass)."""
+        tail, h = self.tails[name], self.ctx.models[name]
+        c = 0
+        for a, b in zip(tail, work):
+            if a != b:
+                break
+            c += 1
+        if c < len(tail):
+            h.rollback(self.ctx.rid, self.base + c)
+        if c < len(work):
+            h.extend(self.ctx.rid, list(work[c:]))
+        self.tails[name] = list(work)
+
+    def draft(self, r: int, work: list[int], limit: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The draft (tokens, their distributions [V]) that model r reviews, continuing ``work``:
+        row r of K walked left to right (horizontal cascade), at most ``limit`` tokens."""
+        toks: list[int] = []
+        qs: list[torch.Tensor] = []
+        n = len(self.names)
+        for j in range(r, n):
+            budget = self.K[r][j]
+            if budget <= 0 or len(toks) >= limit:
+                continue
+            if j == n - 1:                                            # the bottom drafter proposes
+                t, q = self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
+                toks += t
+                qs += q
+            else:
+                for _ in range(budget):                               # vertical cascade: d_{j+1} reviews
+                    if len(toks) >= limit:
+                        break
+                    t, q = self.review(j + 1, work + toks, limit - len(toks))
+                    toks += t
+                    qs += q
+        return toks, qs
+
+    def propose(self, name: str, work: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+        h = self.ctx.models[name]
+        self.sync(name, work)
+        toks, logits = h.propose(self.ctx.rid, k)                          # [k], [k, V]
+        self.tails[name] = work + list(toks)
+        self.ctx.stats.forward(name, 1 if _is_mag(h) else len(toks))
+        q = self.dist(logits)
+        return list(toks), [q[i] for i in range(len(toks))]
+
+    def review(self, m: int, work: list[int], limit: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Drafter m (1-based) reviews the draft of the drafters below it in one forward pass and emits
+        the accepted tokens plus one, each with the distribution it was drawn from."""
+        name = self.names[m - 1]
+        d, dq = self.draft(m, work, limit - 1)                              # [L], L x [V]
+        self.sync(name, work)
+        logits = self.ctx.models[name].score(self.ctx.rid, d)               # [L+1, V]
+        self.tails[name] = work + d
+        self.ctx.stats.forward(name, 1)
+        L, l = len(d), self.lenience
+        if self.greedy:
+            pu = logits_to_probs(logits, UNSCALED)                          # [L+1, V]
+            arg = logits.argmax(-1).tolist()
+            for i, x in enumerate(d):
+                if not (arg[i] == x or float(dq[i][x]) <= l * float(pu[i, x])):
+                    return d[:i] + [arg[i]], [pu[j] for j in range(i + 1)]
+            return d + [arg[L]], [pu[j] for j in range(L + 1)]
+        p = self.ctx.probs(logits)                                          # [L+1, V]
+        q = torch.stack(dq) if dq else p[:0]                               # [L, V]
+        pi = lossy_target(q, p[:L], 1.0 - 1.0 / l) if (l > 1.0 and L) else p[:L]
+        v = gen_spec_verify(d, q, pi, p[L], self.ctx.rng)
+        hand = [pi[i] for i in range(v.accepted)] + [p[L] if v.bonus else pi[v.accepted]]
+        return d[:v.accepted] + [v.next_token], hand
