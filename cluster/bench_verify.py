@@ -7,7 +7,8 @@ the *expected* accepted length of both verifiers on the very same draft (token: 
 min(1, p_j/q_j); block: sum_i p_i, paper 004 Lemma 2) -- a paired, low-variance estimate.
 
 ``specserve bench --suite cascades``: cost-quality curves at temperature 1.  Every speculative cascade
-rule, lossy speculative sampling and the sequential TokenCascade[Chow] swept over alpha; x = latency
+rule, lossy speculative sampling, the sequential TokenCascade[Chow] and the oracle Diff cascade
+(reference) swept over alpha; x = latency
 relative to the target alone (walltime; target calls per token; and a parameter-count cost model
 (target calls + drafter calls * n_drafter / n_target) per token), y = chrF (sacrebleu) of the
 completions against the held-out files' true continuations.  Writes a PNG plot and a CSV/JSON table.
@@ -148,6 +149,7 @@ ALPHAS = {
 }
 LOSSY_ALPHAS = (0.0, 0.3, 0.6, 0.8, 0.95)
 CHOW_SEQ_ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+ORACLE_ALPHAS = (0.0, 0.2, 0.4)          # oracle Diff cascade: a quality reference (a target call per token)
 
 
 def cascade_configs(drafter: str, k: int, rules=None) -> list[tuple[str, str, dict]]:
@@ -158,6 +160,7 @@ def cascade_configs(drafter: str, k: int, rules=None) -> list[tuple[str, str, di
                 for a in ALPHAS[rule]]
     out += [("lossy", "lossy", {"drafter": drafter, "k": k, "alpha": a}) for a in LOSSY_ALPHAS]
     out += [("token_cascade[chow]", "token_cascade", {"drafter": drafter, "alpha": a}) for a in CHOW_SEQ_ALPHAS]
+    out += [("oracle[diff]", "oracle_cascade", {"drafter": drafter, "rule": "diff", "alpha": a}) for a in ORACLE_ALPHAS]
     return out
 
 
@@ -190,7 +193,8 @@ def plot_curves(points: list[dict], path: Path, title: str) -> None:
                          (axes[2], "target_calls_per_token", "target calls per generated token")):
         for m in methods:
             pts = sorted((p for p in points if p["method"] == m), key=lambda p: p[x])
-            style = "--" if m.startswith("token_cascade") else ":" if m == "lossy" else "-"
+            style = "--" if m.startswith("token_cascade") else ":" if m == "lossy" else \
+                "-." if m.startswith("oracle") else "-"
             ax.plot([p[x] for p in pts], [p["chrF"] for p in pts], style, marker="o", ms=3, label=m)
         ax.scatter([target[x]], [target["chrF"]], marker="*", s=150, c="k", zorder=5, label="target alone")
         ax.axhline(target["chrF"], color="k", lw=0.5, ls=":")
