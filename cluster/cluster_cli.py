@@ -80,12 +80,12 @@ def cmd_up(args) -> int:
         print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if not args.address else "`"),
               file=sys.stderr)
         return 0
-    print("specserve: Ctrl-C to stop", file=sys.stderr)
+    print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
+    from ray import serve
     try:
-        while True:
-            time.sleep(3600)
+        while cl.app_name in serve.status().applications:     # returns after `specserve down`
+            time.sleep(2)
     except KeyboardInterrupt:
-        from ray import serve
         serve.shutdown()
     return 0
 

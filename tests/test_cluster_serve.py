@@ -304,3 +304,15 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
             assert outs[0].token_ids == outs[1].token_ids
     finally:
         ep.kill()
+
+
+def test_cli_client(served, capsys):
+    from cluster.cli import main
+    _, c = served
+    assert main(["client", "--address", c.address, "--prompt", "def f():", "--max-new-tokens", "8",
+                 "--seed", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finishReason"] == "length" and len(out["tokenIds"]) == 8
+    assert main(["client", "--address", c.address, "--prompt", "x", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in err and "temperature" in err and "-1" in err
