@@ -3,8 +3,9 @@
 ``specserve bench --suite verify``: speculative sampling at temperature 1 with every neural drafter
 and L in {4, 6, 8}; token and block verification side by side, interleaved prompt by prompt with the
 same seeds.  Besides the realised accepted tokens per target call, every verification step records
-the *expected* accepted length of both verifiers on the very same draft (token: sum_i prod_{j<=i}
-min(1, p_j/q_j); block: sum_i p_i, paper 004 Lemma 2) -- a paired, low-variance estimate.
+both verifiers' expected accepted length on the very same draft (token: E[accepted | draft] =
+sum_i prod_{j<=i} min(1, p_j/q_j); block: sum_i p_i, whose mean over drafts from the drafter is E[tau],
+paper 004) -- a paired estimate free of the verifiers' own coin flips.
 
 ``specserve bench --suite cascades``: cost-quality curves at temperature 1.  Every speculative cascade
 rule, lossy speculative sampling, the sequential TokenCascade[Chow] and the oracle Diff cascade
@@ -51,7 +52,8 @@ def _run(engine, strategy: str, options: dict, sampling: SamplingParams, max_new
 # -- verify: block vs token ------------------------------------------------------------------------
 
 def expected_accepted(draft: list[int], q: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
-    """(token, block) expected accepted draft tokens for one draft, over the verifier's coins only."""
+    """(token, block) per-draft estimates of the expected accepted length; unbiased for drafts drawn
+    from the drafter (token's is exact given the draft; block's sum_i p_i has mean E[tau])."""
     from .block_verify import block_weights
     L = len(draft)
     if L == 0:

@@ -171,3 +171,23 @@ def test_greedy_block_equals_greedy_target_on_tiny_models(tiny_engine):
                                                           options={"k": k, "verify": "block"}))
             assert spec.token_ids == base.token_ids
             assert spec.stats.steps > 0
+
+
+def test_bench_expected_accepted_matches_enumeration():
+    """The verify bench's paired estimate: averaged over drafts from the drafter, the per-draft values
+    equal each verifier's exact expected accepted length (token: exactly per draft; block: sum_i p_i,
+    whose mean over drafts is E[tau])."""
+    from cluster.bench_verify import expected_accepted
+    drafter, target = _pair(3, 3, 21)
+
+    def per_draft(rng):
+        draft, q, p, _ = _one_step(lambda *a: None, drafter, target, 3, rng)
+        return expected_accepted(draft, q, p)
+
+    draws = enumerate_outcomes(per_draft)
+    tok = sum(k[0] * v for k, v in draws.items())
+    blk = sum(k[1] * v for k, v in draws.items())
+    mean = lambda verify: sum(k * v for k, v in enumerate_outcomes(
+        lambda rng: _one_step(verify, drafter, target, 3, rng)[3].accepted).items())
+    assert abs(tok - mean(verify_tokens)) < 1e-12 and abs(blk - mean(verify_block)) < 1e-12
+    assert blk > tok
