@@ -58,6 +58,10 @@ def load_models(cfg: Config) -> tuple[dict[str, HFWorker], Tokenizer]:
         else:
             workers[name] = HFWorker.from_pretrained(model_path(cfg, spec), name, dtype=spec.dtype,
                                                      device=spec.device)
+            if spec.zoo is not None:         # SpecDec++ head built with the zoo (specdec_head.build_head)
+                head = zoo_dir(cfg, build=False) / "specdec-head" / spec.zoo
+                if (head / "head.json").is_file():
+                    workers[name].specdec_head = str(head)
     tokenizer = load_tokenizer(cfg)
     vocab = {n: w.vocab_size for n, w in workers.items()}
     if len(set(vocab.values())) != 1:

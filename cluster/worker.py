@@ -86,6 +86,29 @@ class HFWorker:
             return [], torch.empty(0, self.vocab_size)
         return out, torch.stack(logits)                                 # [k], [k, V]
 
+    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
+        """SpecDec++ drafting (paper 003, Algorithm 1): like :meth:`propose`, but the forward pass that
+        yields q_i also yields the final hidden state e_{i-1} of candidate i-1, and drafting stops once
+        1 - prod sigmoid(head(e)) > ``threshold`` (:func:`cluster.specdec_head.stop_after`), at most
+        ``k_max`` tokens.  ``head``: an AcceptanceHead or its directory (picklable for remote handles)."""
+        from .specdec_head import resolve_head
+        head = resolve_head(head)
+        req = self._get(rid)
+        out, logits, keep = [], [], 1.0
+        for i in range(1, k_max + 1):
+            lg, hid = self._forward(req, hidden=True)                   # [n, V], [n, H]
+            tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
+            req.tokens.append(tok)
+            out.append(tok)
+            logits.append(lg[-1])
+            if i >= 2:
+                keep *= head.accept_prob(hid[-1])                       # e_{i-1}: candidate i-1
+                if 1.0 - keep > threshold:
+                    break
+        if not logits:
+            return [], torch.empty(0, self.vocab_size)
+        return out, torch.stack(logits)                                 # [K], [K, V]
+
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         req = self._get(rid)
         req.tokens.extend(draft)
@@ -107,13 +130,17 @@ class HFWorker:
             raise KeyError(f"{self.name}: unknown request {rid!r}") from None
 
     @torch.inference_mode()
-    def _forward(self, req: _Request) -> torch.Tensor:
-        """Feed the uncached tokens; return their logits ``[n, V]`` (float32)."""
+    def _forward(self, req: _Request, hidden: bool = False):
+        """Feed the uncached tokens; return their logits ``[n, V]`` (float32), and with ``hidden`` also
+        their final hidden states ``[n, H]``."""
         if req.cached >= len(req.tokens):   # everything cached: recompute the last position
             self._crop(req, len(req.tokens) - 1)
         ids = torch.tensor([req.tokens[req.cached:]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=req.cache, use_cache=True)
+        out = self.model(input_ids=ids, past_key_values=req.cache, use_cache=True,
+                         **({"output_hidden_states": True} if hidden else {}))
         req.cached = len(req.tokens)
+        if hidden:
+            return out.logits[0].float().cpu(), out.hidden_states[-1][0].float().cpu()
         return out.logits[0].float().cpu()
 
     @staticmethod

@@ -1,0 +1,57 @@
+"""SpecDec++ (paper 003, Huang et al., Algorithm 1): speculative sampling with an adaptive draft length.
+
+The drafter proposes until its acceptance-prediction head (:mod:`cluster.specdec_head`) predicts that
+some candidate is rejected with probability above ``threshold``, at most ``k_max`` tokens; then the
+target verifies as in plain speculative sampling.  The stopping rule looks only at the drafted tokens
+(a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early: fixed k = k_max.
+"""
+from __future__ import annotations
+
+from ..errors import ParamError
+from ..verify import VERIFIERS
+from .base import Option, StepContext, Strategy, register
+from .speculative import DRAFTER, VERIFY
+
+K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
+THRESHOLD = Option("threshold", float, 0.5, "SpecDec++: stop drafting once P(some candidate rejected) > h",
+                   low=0.0, high=1.0)
+HEAD = Option("head", str, None, "SpecDec++: acceptance head directory (default: the head built with the "
+              "zoo for the drafter)")
+
+
+@register
+class SpecDecPP(Strategy):
+    name = "specdec_pp"
+    help = "speculative decoding whose draft length is chosen per step by a trained acceptance head"
+    options = (DRAFTER, K_MAX, THRESHOLD, HEAD, VERIFY)
+
+    def __init__(self, opts, models, target):
+        super().__init__(opts, models, target)
+        self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
+        handle = models[self.drafter]
+        if not hasattr(handle, "propose_adaptive"):
+            raise ParamError("drafter", "a neural drafter (with propose_adaptive)", self.drafter)
+        self.head = opts["head"] or getattr(handle, "specdec_head", None)
+        if self.head is None:
+            raise ParamError("head", f"an acceptance head directory from `specserve train-head` (none is "
+                             f"built for drafter {self.drafter})", None)
+        self.k_max, self.threshold = opts["k_max"], opts["threshold"]
+        self.verify = VERIFIERS[opts["verify"]]
+
+    def roles(self) -> list[str]:
+        return [self.target_name, self.drafter]
+
+    def step(self, ctx: StepContext) -> list[int]:
+        drafter, target = ctx.models[self.drafter], ctx.target
+        k = min(self.k_max, ctx.budget - 1)
+        draft, q_logits = drafter.propose_adaptive(ctx.rid, k, self.head, self.threshold) if k > 0 \
+            else ([], None)                                                     # [K], [K, V]
+        ctx.stats.forward(self.drafter, len(draft))
+        p = ctx.probs(target.score(ctx.rid, draft))                            # [K+1, V]
+        ctx.stats.forward(self.target_name, target=True)
+        q = ctx.probs(q_logits) if draft else p[:0]
+        verdict = self.verify(draft, q, p, ctx.rng)
+        if draft:
+            ctx.stats.verification(len(draft), verdict.accepted)
+        ctx.commit([target, drafter], verdict.accepted, [verdict.next_token])
+        return draft[:verdict.accepted] + [verdict.next_token]
