@@ -50,4 +50,10 @@ def build_worker(cfg: Config, name: str, *, tp_size: int = 1, device: str | None
                                         distributed_config=DistributedConfig(tp_size=tp_size))
     if spec.tiny is not None:
         return HFWorker(_tiny_model(cfg, name).to(getattr(torch, spec.dtype)), name)
-    return HFWorker.from_pretrained(checkpoint_dir(cfg, name), name, dtype=spec.dtype, device=device)
+    worker = HFWorker.from_pretrained(checkpoint_dir(cfg, name), name, dtype=spec.dtype, device=device)
+    if spec.zoo is not None:                     # as cluster.loader: the zoo's SpecDec++ acceptance head
+        from cluster.loader import zoo_dir
+        head = zoo_dir(cfg, build=False) / "specdec-head" / spec.zoo
+        if (head / "head.json").is_file():
+            worker.specdec_head = str(head)
+    return worker

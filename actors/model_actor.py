@@ -24,7 +24,7 @@ import time
 import torch
 
 OPS = ("prefill", "rollback", "extend")
-METHODS = ("propose", "score", "noop")
+METHODS = ("propose", "score", "propose_adaptive", "noop")     # propose_adaptive: SpecDec++ drafters
 
 
 class ModelHost:
@@ -38,7 +38,8 @@ class ModelHost:
 
     def info(self) -> dict:
         w = self.worker
-        return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params)
+        return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params,
+                    specdec_head=_picklable(getattr(w, "specdec_head", None)))
 
     def call(self, rid: str, ops: list, method: str, args: tuple = ()):
         t0 = time.perf_counter()
@@ -94,6 +95,15 @@ class ModelHost:
 
     def health(self) -> dict:
         return dict(name=self.name, ok=True, active=len(self.worker.active_requests()))
+
+
+def _picklable(x):
+    import pickle
+    try:
+        pickle.dumps(x)
+        return x
+    except Exception:                                 # noqa: BLE001 - an attribute we cannot ship
+        return None
 
 
 def _pack(out):

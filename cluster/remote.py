@@ -135,6 +135,8 @@ class RemoteHandle:
         self.num_params = int(info["num_params"])
         self.placement = placement
         self.tp_size = len(endpoint.actors)
+        if info.get("specdec_head") is not None:       # a SpecDec++ drafter's acceptance head
+            self.specdec_head = info["specdec_head"]
         self.timing = CallTiming()
         self._pending: dict[str, list] = {}
         self._lock = threading.Lock()
@@ -158,6 +160,11 @@ class RemoteHandle:
 
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         return self._call(rid, "score", (list(draft),))                # [L+1, V]
+
+    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
+        """SpecDec++ drafting on the actor (``head`` must be picklable, e.g. its directory)."""
+        tokens, logits = self._call(rid, "propose_adaptive", (int(k_max), head, float(threshold)))
+        return list(tokens), logits                                    # [K], [K, V]
 
     def release(self, rid: str) -> None:
         with self._lock:
