@@ -89,8 +89,17 @@ def build_unit(cfg: Config, topology: str | None = None, transport: str | None =
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
     tokenizer = load_tokenizer(cfg)
-    for name, handle in _extra_models(cfg, tokenizer, entries[cfg.target].handle.vocab_size).items():
-        entries[name] = ModelEntry(name, "drafter", "local", handle)
+    vocab = entries[cfg.target].handle.vocab_size
+    if topology == "separated" and getattr(cfg, "mag", None) is not None:     # MaG as an actor too
+        from actors.mag_actor import start_mag_actor
+        actor = start_mag_actor(cfg, vocab, num_cpus=cl.drafters.num_cpus, concurrency=cl.actor_concurrency)
+        ep = Endpoint([actor], timeout_s=cl.call_timeout_s, direct=direct)
+        endpoints.append(ep)
+        info = ray.get(actor.info.remote(), timeout=cl.call_timeout_s)
+        entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "actor", RemoteHandle(ep, info))
+    else:
+        for name, handle in _extra_models(cfg, tokenizer, vocab).items():
+            entries[name] = ModelEntry(name, "drafter", "local", handle)
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     return ordered, tokenizer, endpoints
 

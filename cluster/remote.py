@@ -135,6 +135,8 @@ class RemoteHandle:
         self.num_params = int(info["num_params"])
         self.placement = placement
         self.tp_size = len(endpoint.actors)
+        if info.get("is_mag"):                         # the statistical drafter (CS Drafting's bottom)
+            self.is_mag = True
         if info.get("specdec_head") is not None:       # a SpecDec++ drafter's acceptance head
             self.specdec_head = info["specdec_head"]
         self.timing = CallTiming()
