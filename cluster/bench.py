@@ -100,6 +100,7 @@ SUITES = {"main": run_main}
 SUITES["cluster"] = lambda args, cfg: __import__("cluster.bench_cluster", fromlist=["_"]).run(args, cfg)
 SUITES["verify"] = lambda args, cfg: __import__("cluster.bench_verify", fromlist=["_"]).run_verify(args, cfg)
 SUITES["cascades"] = lambda args, cfg: __import__("cluster.bench_verify", fromlist=["_"]).run_cascades(args, cfg)
+SUITES["cs"] = lambda args, cfg: __import__("cluster.bench_cs", fromlist=["_"]).run(args, cfg)
 
 
 def cmd_bench(args) -> int:

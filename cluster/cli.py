@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", dest="max_new_tokens", default="48")
     from .cluster_cli import add_cluster_commands
     add_cluster_commands(sub)                    # up, down, client
+    from .bench_cs import add_cs_commands
+    add_cs_commands(sub)                         # train-head, tune, mag build-bigram
     return parser
 
 
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command in ("train-head", "tune", "mag"):
+            from .bench_cs import run_cs_command
+            return run_cs_command(args)
     except (ParamError, ConfigError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

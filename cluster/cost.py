@@ -129,3 +129,118 @@ def swi(stats, costs: Mapping[str, float], target: str = "target") -> float:
     ct = costs[target]
     spent = stats.target_forwards * ct + sum(n * costs.get(d, 0.0) for d, n in stats.drafter_forwards.items())
     return stats.generated_tokens * ct / spent if spent > 0 else 0.0
+
+
+# -- `specserve tune`: measure, predict, choose ------------------------------------------------------
+def measure_alphas(engine, names: list[str], prompts: list[list[int]], sampling, n_tokens: int = 48,
+                   seed: int = 0) -> dict[tuple[str, str], float]:
+    """alpha(reviewer, drafter) for every ordered pair of served models (reviewer != drafter):
+    on target continuations of ``prompts`` (teacher-forced), the mean of sum_x min(p_r(x), q_d(x))
+    (temperature > 0; the exact acceptance probability of speculative sampling) or of
+    [argmax p_r == argmax q_d] (greedy).  MaG's q is the one-hot of its prediction."""
+    import torch
+
+    from .engine import GenerationRequest
+    from .mag import MagHandle
+    from .sampling import logits_to_probs
+    sums: dict[tuple[str, str], float] = {}
+    count = 0
+    for i, ids in enumerate(prompts):
+        res = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=n_tokens, sampling=sampling,
+                                                seed=seed + i, strategy="autoregressive", ignore_eos=True))
+        seq, L = ids + res.token_ids, len(res.token_ids)
+        dists = {}
+        for name in names:
+            h = engine.models[name]
+            if isinstance(h, MagHandle):
+                h.prefill("tune", ids, sampling, 0)
+                logits = h.score("tune", res.token_ids)[:-1]                        # [L, V]
+                h.release("tune")
+            else:
+                with torch.inference_mode():
+                    logits = h.model(input_ids=torch.tensor([seq])).logits[0, len(ids) - 1:-1].float()
+            dists[name] = logits_to_probs(logits, sampling)                         # [L, V]
+        for r in names:
+            for d in names:
+                if r != d:
+                    a = torch.minimum(dists[r], dists[d]).sum(-1).sum()
+                    sums[(r, d)] = sums.get((r, d), 0.0) + float(a)
+        count += L
+    return {k: v / max(1, count) for k, v in sums.items()}
+
+
+def measure_costs(engine, names: list[str], prompt: list[int], iters: int = 15) -> dict[str, float]:
+    """Median seconds of one call per model: a 1-token forward with KV cache for neural models (the
+    target: scoring a 4-token draft), one 4-token proposal for MaG."""
+    import statistics
+    import time as _time
+
+    from .mag import MagHandle
+    from .sampling import SamplingParams
+    out = {}
+    for name in names:
+        h = engine.models[name]
+        h.prefill("cost", prompt, SamplingParams(0.0), 0)
+        ts = []
+        for _ in range(iters + 2):
+            t0 = _time.perf_counter()
+            if isinstance(h, MagHandle):
+                h.propose("cost", 4)
+            elif name == engine.target:
+                h.score("cost", prompt[-4:])
+            else:
+                h.score("cost", [])
+            ts.append(_time.perf_counter() - t0)
+            h.rollback("cost", len(prompt))
+        h.release("cost")
+        out[name] = statistics.median(ts[2:])
+    return out
+
+
+def kmatrix_grid(n: int):
+    """Candidate K-matrices for n drafters (neural drafters review, the last is MaG)."""
+    import itertools
+    if n == 1:
+        for k in range(1, 13):
+            yield ((k,),)
+        return
+    diag = range(1, 5)
+    tail = (0, 1, 2, 4, 6)
+    bottom = (1, 2, 3, 4, 6, 8, 10)
+    if n == 2:
+        for a, b, c in itertools.product(diag, tail, bottom):
+            yield ((a, b), (0, c))
+        return
+    if n == 3:
+        for a, b, c, d, e, f in itertools.product((1, 2, 3), (0, 1, 2), (0, 2, 4), (1, 2, 3), (0, 2, 4),
+                                                  (1, 2, 4, 6, 8)):
+            yield ((a, b, c), (0, d, e), (0, 0, f))
+        return
+    raise ValueError("kmatrix_grid: at most 3 drafters")
+
+
+def predict_cascade(K, names, target, alphas, costs, mags=("mag",)) -> float:
+    """EWIF of CS Drafting with drafters ``names`` and K-matrix ``K`` from measured alphas/costs
+    (a bottom MaG costs one call per proposal, a neural bottom one pass per token)."""
+    n = len(names)
+    models = [target, *names]
+    A = [[alphas[(models[r], names[j])] if j >= r else 0.0 for j in range(n)] for r in range(n)]
+    c = [costs[d] / costs[target] for d in names]
+    return ewif_cascade(K, A, c, bottom_per_token=names[-1] not in mags)
+
+
+def ranked_cascades(names, target, alphas, costs, mags=("mag",)):
+    """[(K, predicted EWIF)] over :func:`kmatrix_grid`, best first."""
+    return sorted(((K, predict_cascade(K, names, target, alphas, costs, mags)) for K in kmatrix_grid(len(names))),
+                  key=lambda t: -t[1])
+
+
+def best_k(drafter, target, alphas, costs, k_max: int = 12):
+    """(k, predicted EWIF) for plain speculative decoding with ``drafter`` (Corollary 4.2)."""
+    c = costs[drafter] / costs[target]
+    return max(((k, ewif_speculative(alphas[(target, drafter)], k, c)) for k in range(1, k_max + 1)),
+               key=lambda t: t[1])
+
+
+def format_kmatrix(K) -> str:
+    return ";".join(",".join(str(v) for v in row) for row in K)

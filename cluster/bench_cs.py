@@ -1,0 +1,383 @@
+"""Benchmark suite ``cs`` and ``specserve tune``: MaG, CS Drafting and SpecDec++ against speculative
+decoding and the Hugging Face peers (paper 002, section 5; paper 003, section 5).
+
+Rows (greedy and temperature 1, same held-out prompts, interleaved prompt by prompt): autoregressive;
+speculative with each drafter (every k of ``--ks``; the best is marked); ``mag``; CS Drafting with
+[mag], [small, mag], [large, mag], [large, small, mag] (K-matrices chosen by :func:`tune_choices`);
+SpecDec++ per drafter with a head; HF assisted generation per drafter and prompt lookup per k.
+Columns add the SWI (paper 002, section 5.1) with parameter counts (``swi_params``) and with the
+measured per-call latencies (``swi_latency``).  A PNG plots the acceptance probability by draft
+position (paper 002, figure 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from .bench import Row, print_table, write_results
+from .cost import (best_k, format_kmatrix, measure_alphas, measure_costs, model_costs, ranked_cascades, swi)
+from .engine import GenerationRequest
+from .errors import check_int
+from .sampling import SamplingParams
+from .stats import RequestStats
+
+
+def with_mag(cfg):
+    """``cfg`` with the Max-Gram drafter served (config section ``mag``), added if absent."""
+    from .config import MagSpec
+    return cfg if cfg.mag is not None else dataclasses.replace(cfg, mag=MagSpec())
+
+
+def neural_drafters(engine, cfg) -> list[str]:
+    """The config's neural drafters, largest first."""
+    return sorted((d for d in cfg.drafters if d in engine.models),
+                  key=lambda d: -engine.models[d].num_params)
+
+
+def cascade_lists(neural: list[str], mag: str) -> list[list[str]]:
+    out = [[mag]]
+    if neural:
+        out.append([neural[-1], mag])
+    if len(neural) >= 2:
+        out += [[neural[0], mag], [neural[0], neural[-1], mag]]
+    return out
+
+
+def tune_choices(engine, cfg, sampling, prompts, *, n_tokens: int = 48, log=print) -> dict:
+    """Measure alpha for every (reviewer, drafter) pair and a per-call latency for every model, then pick
+    k for plain speculation and the K-matrix of every cascade list maximising the predicted EWIF."""
+    mag = cfg.mag.name
+    neural = neural_drafters(engine, cfg)
+    names = [engine.target, *neural, mag]
+    t0 = time.perf_counter()
+    alphas = measure_alphas(engine, names, prompts, sampling, n_tokens)
+    costs = measure_costs(engine, names, prompts[0])
+    out = {"alphas": alphas, "costs": costs, "speculative": {}, "cascade": {}}
+    for d in neural + [mag]:
+        out["speculative"][d] = best_k(d, engine.target, alphas, costs)
+    for lst in cascade_lists(neural, mag):
+        out["cascade"][",".join(lst)] = ranked_cascades(lst, engine.target, alphas, costs, (mag,))
+    log(f"[tune: measured {len(names)} models on {len(prompts)} prompts in {time.perf_counter() - t0:.1f}s]")
+    rows = [dict(reviewer=r, **{d: round(alphas[(r, d)], 3) for d in names[1:] if d != r}) for r in names[:-1]]
+    print_table(rows, f"acceptance rate alpha(reviewer, drafter), temperature {sampling.temperature:g}")
+    print_table([dict(model=n, call_ms=round(costs[n] * 1e3, 3), cost_vs_target=round(costs[n] / costs[engine.target], 4),
+                      params=engine.models[n].num_params) for n in names], "per-call cost")
+    return out
+
+
+class _Runner:
+    """Runs one strategy configuration on a prompt, accumulating a Row and a merged RequestStats."""
+
+    def __init__(self, engine, name, strategy, options, sampling, max_new):
+        self.engine, self.name, self.strategy, self.options = engine, name, strategy, options
+        self.sampling, self.max_new = sampling, max_new
+        self.row, self.stats = Row(name), RequestStats(strategy=strategy)
+
+    def __call__(self, ids, seed, timed=True):
+        t0 = time.perf_counter()
+        res = self.engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=self.max_new,
+                                                     sampling=self.sampling, seed=seed, strategy=self.strategy,
+                                                     options=self.options, ignore_eos=True))
+        if not timed:
+            return
+        dt = time.perf_counter() - t0
+        s, r = res.stats, self.row
+        r.seconds += dt
+        r.tokens += s.generated_tokens
+        r.target_calls += s.target_forwards
+        r.draft_calls += sum(s.drafter_forwards.values())
+        r.accepted += s.accepted_tokens
+        r.steps += s.steps
+        self.stats.merge(s)
+
+
+def _run_rows(runners, prompts, desc):
+    from tqdm import tqdm
+    for fn in runners.values():
+        fn(prompts[0][:16], 0, Row("warmup")) if not isinstance(fn, _Runner) else fn(prompts[0][:16], 0, timed=False)
+    for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        for fn in runners.values():
+            fn(ids, i) if isinstance(fn, _Runner) else fn(ids, i, fn.row)
+
+
+def _hf(engine, sampling, max_new, name, **kw):
+    from .bench_main import hf_runner
+    fn = hf_runner(engine, sampling, max_new, **kw)
+    fn.row = Row(name)
+    return fn
+
+
+def plot_acceptance(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args, cfg) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from .bench_main import bench_prompts, parse_ks
+    from .loader import build_engine
+    from .mag import proposal_latency
+    hf_logging.set_verbosity_error()
+    cfg = with_mag(cfg)
+    engine = build_engine(cfg)
+    mag = cfg.mag.name
+    n = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    ks = parse_ks(args.ks)
+    prompts = bench_prompts(engine, n)
+    neural = neural_drafters(engine, cfg)
+    out_dir = Path(args.out)
+    param_costs = model_costs(engine.models)
+
+    lat = proposal_latency(engine.models[mag])
+    print_table([{"context_tokens": k, "mag_propose_us": round(v, 1)} for k, v in lat.items()],
+                "MaG proposal latency (k=8, incremental index)")
+    summary = []
+    for temperature in (0.0, 1.0):
+        sampling = SamplingParams(temperature)
+        choice = tune_choices(engine, cfg, sampling, prompts[:min(4, n)], n_tokens=min(48, max_new))
+        latency_costs = choice["costs"]
+        runners: dict[str, object] = {"autoregressive": _Runner(engine, "autoregressive", "autoregressive", {},
+                                                                sampling, max_new)}
+        for d in neural:
+            for k in ks:
+                runners[f"speculative {d} k={k}"] = _Runner(engine, f"speculative {d} k={k}", "speculative",
+                                                            {"drafter": d, "k": k}, sampling, max_new)
+        for k in ks:
+            runners[f"mag k={k}"] = _Runner(engine, f"mag k={k}", "mag", {"k": k}, sampling, max_new)
+        for lst, ranked in choice["cascade"].items():
+            K = format_kmatrix(ranked[0][0])
+            name = f"cs_drafting [{lst}] K={K}"
+            runners[name] = _Runner(engine, name, "cs_drafting", {"drafters": lst, "kmatrix": K}, sampling, max_new)
+        for d in neural:
+            if getattr(engine.models[d], "specdec_head", None):
+                name = f"specdec_pp {d}"
+                runners[name] = _Runner(engine, name, "specdec_pp", {"drafter": d}, sampling, max_new)
+        if not args.no_peers:
+            for d in neural:
+                for k in ks:
+                    runners[f"hf assisted {d} k={k}"] = _hf(engine, sampling, max_new, f"hf assisted {d} k={k}",
+                                                            assistant=d, k=k)
+            for k in ks:
+                runners[f"hf prompt-lookup k={k}"] = _hf(engine, sampling, max_new, f"hf prompt-lookup k={k}",
+                                                         lookup=k)
+        _run_rows(runners, prompts, f"bench cs t={temperature:g}")
+        base = runners["autoregressive"].row
+        table = []
+        for name, fn in runners.items():
+            d = fn.row.as_dict(base)
+            if isinstance(fn, _Runner):
+                d["swi_params"] = round(swi(fn.stats, param_costs, engine.target), 3)
+                d["swi_latency"] = round(swi(fn.stats, latency_costs, engine.target), 3)
+            table.append(d)
+        title = (f"cs: {len(prompts)} held-out prompts x {max_new} new tokens, temperature {temperature:g}, "
+                 f"config {cfg.source}")
+        print_table(table, title)
+        write_results(table, out_dir, f"bench_cs_t{temperature:g}")
+        curves = {}
+        kmax = max(ks)
+        for name, fn in runners.items():
+            if isinstance(fn, _Runner) and name.endswith(f"k={kmax}") and fn.stats.steps:
+                curves[name] = [a / fn.stats.steps for a in fn.stats.accepted_per_pos[:kmax]] + \
+                    [0.0] * max(0, kmax - len(fn.stats.accepted_per_pos))
+        plot_acceptance(curves, out_dir / f"acceptance_by_position_t{temperature:g}.png",
+                        f"acceptance by draft position (k={kmax}, T={temperature:g})")
+        summary.append(goals(table))
+        for line in summary[-1]:
+            print(line)
+    print(f"results written to {out_dir}/bench_cs_t{{0,1}}.{{csv,json}} and acceptance_by_position_t*.png")
+    return 0
+
+
+def goals(table: list[dict]) -> list[str]:
+    """The issue's benchmark goals, evaluated on one temperature's table (measured, met or not)."""
+    by = {r["name"]: r for r in table}
+    best = lambda pre, key="tokens_per_s": max((r for n, r in by.items() if n.startswith(pre)),  # noqa: E731
+                                               key=lambda r: r.get(key) or 0, default=None)
+    out = []
+    cs, peer = best("cs_drafting"), max((r for n, r in by.items() if n.startswith("hf ")),
+                                        key=lambda r: r["tokens_per_s"], default=None)
+    if cs and peer:
+        out.append(f"goal CS >= 1.3x best HF peer tokens/s: {cs['tokens_per_s']:.1f} vs {peer['tokens_per_s']:.1f} "
+                   f"({peer['name']}) = {cs['tokens_per_s'] / peer['tokens_per_s']:.2f}x "
+                   f"-> {'met' if cs['tokens_per_s'] >= 1.3 * peer['tokens_per_s'] else 'NOT met'}")
+    cs_swi, sp_swi = best("cs_drafting", "swi_params"), best("speculative", "swi_params")
+    if cs_swi and sp_swi:
+        r = cs_swi["swi_params"] / sp_swi["swi_params"]
+        out.append(f"goal CS SWI >= 1.2x best speculative SWI: {cs_swi['swi_params']:.2f} vs {sp_swi['swi_params']:.2f} "
+                   f"= {r:.2f}x -> {'met' if r >= 1.2 else 'NOT met'}")
+    for name, r in by.items():
+        if name.startswith("mag k="):
+            k = name.split("=")[1]
+            pl = by.get(f"hf prompt-lookup k={k}")
+            if pl:
+                out.append(f"goal MaG >= prompt lookup at k={k}: {r['tokens_per_s']:.1f} vs {pl['tokens_per_s']:.1f} "
+                           f"-> {'met' if r['tokens_per_s'] >= pl['tokens_per_s'] else 'NOT met'}")
+    pp, sp = best("specdec_pp"), best("speculative")
+    if pp and sp:
+        out.append(f"goal SpecDec++ >= best fixed-k speculative tokens/s: {pp['tokens_per_s']:.1f} vs "
+                   f"{sp['tokens_per_s']:.1f} ({sp['name']}) -> {'met' if pp['tokens_per_s'] >= sp['tokens_per_s'] else 'NOT met'}")
+    return out
+
+
+def cmd_tune(args) -> int:
+    """``specserve tune``: predicted-best k and K-matrices, then measured beside the prediction; with
+    ``--grid N`` also the N best-predicted K-matrices per cascade are measured (grid search check)."""
+    from .bench_main import bench_prompts
+    from .config import load_config
+    from .loader import build_engine
+    cfg = with_mag(load_config(args.config))
+    engine = build_engine(cfg)
+    n = check_int("prompts", args.prompts, 1, 64)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    grid = check_int("grid", args.grid, 0, 50)
+    from .errors import check_float
+    sampling = SamplingParams(check_float("temperature", args.temperature, 0.0, 100.0))
+    prompts = bench_prompts(engine, n)
+    choice = tune_choices(engine, cfg, sampling, prompts[:min(4, n)], n_tokens=min(48, max_new))
+    costs = choice["costs"]
+    runners = {"autoregressive": (_Runner(engine, "autoregressive", "autoregressive", {}, sampling, max_new), 1.0)}
+    for d, (k, pred) in choice["speculative"].items():
+        strat, opts = ("mag", {"k": k}) if d == cfg.mag.name else ("speculative", {"drafter": d, "k": k})
+        runners[f"{strat} {d} k={k} (tuned)"] = (_Runner(engine, "", strat, opts, sampling, max_new), pred)
+    for lst, ranked in choice["cascade"].items():
+        for i, (K, pred) in enumerate(ranked[:max(1, grid)]):
+            tag = "(tuned)" if i == 0 else f"(grid #{i + 1})"
+            runners[f"cs_drafting [{lst}] K={format_kmatrix(K)} {tag}"] = (
+                _Runner(engine, "", "cs_drafting", {"drafters": lst, "kmatrix": format_kmatrix(K)}, sampling,
+                        max_new), pred)
+    _run_rows({k: v[0] for k, v in runners.items()}, prompts, "tune: measuring")
+    base = runners["autoregressive"][0].row
+    table = []
+    for name, (fn, pred) in runners.items():
+        table.append(dict(name=name, predicted_ewif=round(pred, 3),
+                          measured_swi=round(swi(fn.stats, costs, engine.target), 3),
+                          measured_speedup=round(fn.row.tokens_per_s / base.tokens_per_s, 3) if base.tokens_per_s else None,
+                          tokens_per_s=round(fn.row.tokens_per_s, 1),
+                          accepted_per_call=round(fn.row.accepted_per_call, 3)))
+    print_table(table, f"tune: prediction (EWIF, measured latencies) beside measurement, temperature "
+                       f"{sampling.temperature:g}, {len(prompts)} prompts x {max_new} tokens")
+    if grid > 1:
+        for lst in choice["cascade"]:
+            mine = [r for r in table if r["name"].startswith(f"cs_drafting [{lst}]")]
+            tuned = next(r for r in mine if r["name"].endswith("(tuned)"))
+            top = max(mine, key=lambda r: r["tokens_per_s"])
+            ratio = tuned["tokens_per_s"] / top["tokens_per_s"]
+            print(f"[{lst}] tuned K {tuned['tokens_per_s']:.1f} tok/s vs best measured in grid "
+                  f"{top['tokens_per_s']:.1f} ({top['name']}): {ratio:.3f} -> "
+                  f"{'within 5%' if ratio >= 0.95 else 'NOT within 5%'}")
+    return 0
+
+
+# -- command line: `specserve train-head`, `specserve tune`, `specserve mag build-bigram` -------------
+def add_cs_commands(sub) -> None:
+    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a drafter (paper 003)")
+    t.add_argument("--config", default="configs/local.yaml")
+    t.add_argument("--drafter", help="drafter model name (default: the config's first drafter)")
+    t.add_argument("--out", help="head directory (default: <zoo cache>/specdec-head/<drafter> for zoo models)")
+    t.add_argument("--prompts", default="64", help="training prompts from the training split")
+    t.add_argument("--response-tokens", dest="response_tokens", default="48")
+    t.add_argument("--depth", default="2", help="residual blocks D")
+    t.add_argument("--w-rej", dest="w_rej", default="1.0", help="BCE weight of rejections (w_acc = 1)")
+    t.add_argument("--mix", default="0.3", help="token mixing: fraction of target tokens in the drafter input")
+    t.add_argument("--epochs", default="6")
+    t.add_argument("--seed", default="0")
+
+    u = sub.add_parser("tune", help="measure acceptance and costs, pick k and K-matrices by predicted speed")
+    u.add_argument("--config", default="configs/local.yaml")
+    u.add_argument("--prompts", default="6")
+    u.add_argument("--max-new-tokens", dest="max_new_tokens", default="64")
+    u.add_argument("--temperature", default="0")
+    u.add_argument("--grid", default="0", help="also measure the N best-predicted K-matrices per cascade")
+
+    m = sub.add_parser("mag", help="the Max-Gram drafter")
+    msub = m.add_subparsers(dest="mag_command", required=True)
+    b = msub.add_parser("build-bigram", help="build a bigram table (most frequent successor per token)")
+    b.add_argument("--config", default="configs/local.yaml", help="its target's tokenizer is used")
+    b.add_argument("--corpus", action="append", default=[],
+                   help="text file(s) (default: the zoo's training corpus, the Python standard library)")
+    b.add_argument("--max-chars", dest="max_chars", default="4000000")
+    b.add_argument("--out", help="output .npy (default: where the loader looks for this config)")
+
+
+def run_cs_command(args) -> int:
+    if args.command == "tune":
+        return cmd_tune(args)
+    if args.command == "train-head":
+        return cmd_train_head(args)
+    return cmd_build_bigram(args)
+
+
+def cmd_build_bigram(args) -> int:
+    from .config import load_config
+    from .errors import ParamError
+    from .loader import load_tokenizer
+    from .mag import build_bigram, corpus_texts, default_bigram_path, save_bigram
+    cfg = with_mag(load_config(args.config))
+    max_chars = check_int("max_chars", args.max_chars, 1, 10**10)
+    tok = load_tokenizer(cfg)
+    if args.corpus:
+        texts = []
+        for f in args.corpus:
+            p = Path(f)
+            if not p.is_file():
+                raise ParamError("corpus", "existing text files", f)
+            texts.append(p.read_text(errors="replace")[:max_chars])
+    else:
+        texts = corpus_texts(max_chars)
+    out = Path(args.out) if args.out else default_bigram_path(cfg)
+    if out is None:
+        raise ParamError("out", "an output path (this config's tokenizer has no default location)", None)
+    t0 = time.perf_counter()
+    table = build_bigram(tok, texts)
+    save_bigram(table, out)
+    print(f"bigram table for {len(table)} tokens from {sum(map(len, texts))} characters "
+          f"in {time.perf_counter() - t0:.1f}s -> {out}")
+    return 0
+
+
+def cmd_train_head(args) -> int:
+    import json
+
+    from .config import load_config
+    from .errors import ParamError, check_float
+    from .loader import load_models, zoo_dir
+    from .specdec_head import HEAD_DIR, save_head, train_head
+    cfg = load_config(args.config)
+    drafter = args.drafter or cfg.drafters[0]
+    if drafter not in cfg.drafters:
+        raise ParamError("drafter", "one of " + ", ".join(cfg.drafters), drafter)
+    kw = dict(prompts=check_int("prompts", args.prompts, 1, 4096),
+              response_tokens=check_int("response_tokens", args.response_tokens, 1, 512),
+              depth=check_int("depth", args.depth, 0, 8),
+              w_rej=check_float("w_rej", args.w_rej, 0.0, 1000.0, low_open=True),
+              mix=check_float("mix", args.mix, 0.0, 1.0, high_open=True),
+              epochs=check_int("epochs", args.epochs, 1, 1000), seed=check_int("seed", args.seed, 0, 2**31 - 1))
+    spec = cfg.models[drafter]
+    if args.out:
+        out = Path(args.out)
+    elif spec.zoo is not None:
+        out = zoo_dir(cfg) / HEAD_DIR / spec.zoo
+    else:
+        raise ParamError("out", "a head directory (the drafter is not from the zoo)", None)
+    workers, tok = load_models(cfg)
+    head, info = train_head(workers[cfg.target].model, workers[drafter].model, tok, progress=True, **kw)
+    save_head(head, out, {"drafter": drafter, **info})
+    print(json.dumps(info, indent=2))
+    print(f"head saved to {out}")
+    return 0
