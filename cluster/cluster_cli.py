@@ -1,7 +1,6 @@
 """``specserve up`` / ``down`` / ``client``: run the serving cluster and talk to it (see docs/cluster.md)."""
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -106,5 +105,3 @@ def cmd_down(args) -> int:
     print(f"specserve: {args.app} stopped", file=sys.stderr)
     return 0
 
-
-__all__ = ["add_cluster_commands", "run_cluster_command", "argparse"]

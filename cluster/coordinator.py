@@ -173,9 +173,9 @@ class Coordinator:
                 if kind == "error":
                     done = True
                     raise item
+                done = item.finish_reason is not None
                 yield item
-                if item.finish_reason is not None:
-                    done = True
+                if done:
                     break
         finally:
             if not done:

@@ -312,7 +312,9 @@ def test_cli_client(served, capsys):
     assert main(["client", "--address", c.address, "--prompt", "def f():", "--max-new-tokens", "8",
                  "--seed", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["finishReason"] == "length" and len(out["tokenIds"]) == 8
+    want = c.generate(prompt="def f():", max_new_tokens=8, seed=1)
+    assert [int(t) for t in out.get("tokenIds", [])] == list(want.token_ids)
+    assert out["finishReason"] == want.finish_reason and out["stats"]["strategy"] == want.stats.strategy
     assert main(["client", "--address", c.address, "--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
     assert "INVALID_ARGUMENT" in err and "temperature" in err and "-1" in err
