@@ -195,7 +195,7 @@ def fit_head(feats: torch.Tensor, labels: torch.Tensor, *, depth: int = 2, w_acc
             opt.step()
             sched.step()
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.4f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
     bar.close()
     head.eval()
     with torch.no_grad():
