@@ -30,11 +30,12 @@ METHODS = ("propose", "score", "propose_adaptive", "noop")     # propose_adaptiv
 class ModelHost:
     """The actor body (plain class: :mod:`actors.tp` reuses it for tensor-parallel ranks)."""
 
-    def __init__(self, cfg, name: str, threads: int = 1):
+    def __init__(self, cfg, name: str, threads: int = 1, concurrency: int = 4):
         torch.set_num_threads(threads)
         from .loading import build_worker
         self.worker = build_worker(cfg, name)
         self.name = name
+        self.concurrency = concurrency          # calls served at once over direct sockets
 
     def info(self) -> dict:
         w = self.worker
@@ -63,6 +64,7 @@ class ModelHost:
             from multiprocessing.connection import Listener
             host, key = ray.util.get_node_ip_address(), os.urandom(16)
             listener = Listener((host, 0), authkey=key)
+            self._slots = threading.BoundedSemaphore(getattr(self, "concurrency", 4))
             self._direct = (host, listener.address[1], key)
             threading.Thread(target=self._accept, args=(listener,), daemon=True, name="direct-accept").start()
         return self._direct
@@ -80,7 +82,8 @@ class ModelHost:
                 try:
                     if method not in ("call", "release"):
                         raise ValueError(f"unknown direct method {method!r}")
-                    reply = ("ok", getattr(self, method)(*args))
+                    with self._slots:
+                        reply = ("ok", getattr(self, method)(*args))
                 except Exception as e:                 # noqa: BLE001 - handed to the caller
                     reply = ("err", e)
                 try:
@@ -125,4 +128,4 @@ def start_model_actor(cfg, name: str, *, num_cpus: float, num_gpus: float = 0.0,
                       concurrency: int = 4, **options):
     """Create the actor for model ``name``; returns the handle (not yet waited on)."""
     return model_actor_class().options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=concurrency,
-                                       **options).remote(cfg, name, threads)
+                                       **options).remote(cfg, name, threads, concurrency)

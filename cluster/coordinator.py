@@ -12,6 +12,7 @@ step.  This module is what the Ray Serve deployment (:mod:`cluster.serve_app`) r
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -127,6 +128,7 @@ class Coordinator:
         self.max_concurrent, self.max_queue = cl.max_concurrent, cl.max_queue
         self._pool = ThreadPoolExecutor(cl.max_concurrent, thread_name_prefix="specserve-req")
         self._live: dict[str, Live] = {}
+        self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self._lock = threading.Lock()
         self.metrics = metrics
         self.ready = False
@@ -192,7 +194,7 @@ class Coordinator:
 
     def _run(self, req: GenerationRequest, live: Live, emit: Callable, cancel: threading.Event) -> None:
         """Worker thread: drive the engine's generator, stopping between steps when cancelled."""
-        outcome, result = "error", None
+        outcome, result, generated = "error", None, 0
         try:
             if cancel.is_set():
                 outcome = "cancelled"
@@ -201,6 +203,7 @@ class Coordinator:
             gen = self.engine.stream(req)
             try:
                 for chunk in gen:
+                    generated += len(chunk.token_ids)
                     if chunk.result is not None:
                         result, outcome = chunk.result, "ok"
                     emit("chunk", chunk)
@@ -214,9 +217,10 @@ class Coordinator:
             emit("error", e)
         finally:
             self._finish(live)
-            self._record(req.strategy, outcome, result, live)
+            self._record(req.strategy, outcome, result, live, generated)
 
-    def _record(self, strategy: str, outcome: str, result, live: Live) -> None:
+    def _record(self, strategy: str, outcome: str, result, live: Live, generated: int = 0) -> None:
+        self.recent.append((live.rid, strategy, outcome, len(result.token_ids) if result else generated))
         if self.metrics is not None:
             try:
                 self.metrics.record(strategy, outcome, result, time.perf_counter() - live.admitted)

@@ -156,7 +156,9 @@ def server_info(coord) -> pb.ServerInfoResponse:
                                  max_concurrent=coord.max_concurrent, max_queue=coord.max_queue,
                                  live_requests=[x.rid for x in live],
                                  running=sum(x.state == "running" for x in live), ready=coord.ready,
-                                 topology=coord.topology, vocab_size=coord.engine.vocab_size)
+                                 topology=coord.topology, vocab_size=coord.engine.vocab_size,
+                                 recent=[pb.RequestSummary(request_id=r, strategy=s, outcome=o, generated_tokens=n)
+                                         for r, s, o, n in list(coord.recent)])
 
 
 def _openai_finish(reason: str | None) -> str | None:

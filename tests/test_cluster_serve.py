@@ -179,7 +179,22 @@ def test_cancel_stream_frees_state_on_every_actor(served):
     assert rid in act["live"] and rid in act["target"] and rid in act["drafter-large"]
     call.cancel()
     _poll(lambda: all(rid not in s for s in _active(c).values()), "the cancelled request to be released")
+    done = [r for r in c.server_info().recent if r.request_id == rid]
+    assert done and done[-1].outcome == "cancelled" and done[-1].generated_tokens < 512
     assert c.generate(prompt="ok", max_new_tokens=2).finish_reason
+
+
+def test_unary_deadline_frees_state(served):
+    """A unary client that gives up (deadline) stops its generation; state is freed everywhere."""
+    _, c = served
+    rid = "deadline"
+    with pytest.raises(grpc.RpcError) as e:
+        c.stub.Generate(c.request(prompt_ids=PROMPT, max_new_tokens=512, ignore_eos=True, strategy="autoregressive",
+                                  request_id=rid), metadata=c.metadata, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _poll(lambda: all(rid not in s for s in _active(c).values()), "the abandoned request to be released")
+    done = [r for r in c.server_info().recent if r.request_id == rid]
+    assert done and done[-1].outcome == "cancelled" and done[-1].generated_tokens < 512   # stopped early
 
 
 def test_overload_resource_exhausted(served):
