@@ -243,6 +243,18 @@ class SpecServeDeployment:
             health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
+    async def Watch(self, request, grpc_context=None):
+        """Health status now, then whenever it changes (until the client cancels)."""
+        from grpc_health.v1 import health_pb2
+        last = None
+        while True:
+            status = health_pb2.HealthCheckResponse.SERVING if self.coord.ready else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(1.0)
+
     # -- HTTP (OpenAI completions) ------------------------------------------------------------------
     async def __call__(self, request):
         from starlette.responses import JSONResponse

@@ -83,6 +83,10 @@ def test_health_serving_after_warmup(served):
     with pytest.raises(grpc.RpcError) as e:
         c.health("no.such.Service")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    watch = health_pb2_grpc.HealthStub(c.channel).Watch(health_pb2.HealthCheckRequest(), metadata=c.metadata)
+    assert next(iter(watch)).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
 
 
 @pytest.mark.parametrize("strategy", sorted(REGISTRY))
@@ -277,26 +281,34 @@ def test_metrics_record():
 
 # -- tensor parallel ------------------------------------------------------------------------------
 def test_tensor_parallel_gloo_matches_single(served, tmp_path):
-    """TP=2 (two rank actors in a placement group, gloo, transformers' tp plan from a checkpoint in
-    tmp_path) gives the scores of TP=1 within 1e-4 and the same greedy output."""
-    from actors.tp import start_tp_group
+    """A unit whose target is TP=2 (two rank actors in one placement group, gloo, each loading its
+    shard with transformers' tp plan from a checkpoint in tmp_path) gives the scores of TP=1 within
+    1e-4 and the same greedy output as the in-process engine."""
     from cluster.config import config_from_dict
-    from cluster.engine import Engine
-    from cluster.remote import Endpoint, RemoteHandle
+    from cluster.coordinator import Coordinator
+    from cluster.loader import build_engine
     from cluster.tiny import tiny_llama, truncated
-    from cluster.tokenizer import ByteTokenizer
     from cluster.worker import HFWorker
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     model = tiny_llama(hidden=64, layers=3, heads=4, seed=5)
     model.save_pretrained(tmp_path / "target")
-    cfg = config_from_dict({"models": {"target": {"path": str(tmp_path / "target")}}})
-    actors, pg, info = start_tp_group(cfg, "target", tp_size=2, num_cpus=0.1, num_gpus=0, backend="gloo")
-    ep = Endpoint(actors, placement_group=pg)
+    truncated(model, 1).save_pretrained(tmp_path / "drafter")
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(257)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()           # a word-level tokenizer over the 257 ids
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<256>").save_pretrained(tmp_path / "target")
+    cfg = config_from_dict({"models": {"target": {"path": str(tmp_path / "target")},
+                                       "drafter": {"path": str(tmp_path / "drafter")}},
+                            "cluster": {"tp_size": 2, "backend": "gloo", "target": {"num_cpus": 0.1}}})
+    coord = Coordinator(cfg)
     try:
+        entry = coord.entries["target"]
+        tp, actors = entry.handle, entry.handle.endpoint.actors
+        assert entry.placement == "tp-group" and len(actors) == 2
         shapes = ray.get([a.__ray_call__.remote(
             lambda self: tuple(self.worker.model.model.layers[0].self_attn.q_proj.weight.to_local().shape))
             for a in actors])
         assert shapes == [(32, 64), (32, 64)]                 # each rank holds half of q_proj's rows
-        tp = RemoteHandle(ep, info, placement="tp-group")
         single = HFWorker.from_pretrained(tmp_path / "target", "target")
         sp = SamplingParams(0.0)
         for h in (tp, single):
@@ -310,15 +322,13 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
         assert torch.allclose(tp.score("r", []), single.score("r", []), atol=1e-4, rtol=0)
         for h in (tp, single):
             h.release("r")
-        assert ep.active_requests() == []
-        drafter = HFWorker(truncated(model, 1), "drafter")
+        assert coord.active_requests()["target"] == []
+        local = build_engine(cfg)
         for strategy in ("autoregressive", "speculative"):
-            outs = [Engine({"target": t, "drafter": drafter}, ByteTokenizer()).generate(
-                GenerationRequest(prompt_ids=PROMPT, max_new_tokens=24, sampling=sp, seed=0, strategy=strategy))
-                for t in (tp, single)]
-            assert outs[0].token_ids == outs[1].token_ids
+            req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=24, sampling=sp, seed=0, strategy=strategy)
+            assert coord.engine.generate(req).token_ids == local.generate(req).token_ids
     finally:
-        ep.kill()
+        coord.shutdown()
 
 
 def test_cli_client(served, capsys):
