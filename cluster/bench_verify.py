@@ -252,8 +252,9 @@ def run_cascades(args, cfg) -> int:
     target_q = points[0]["chrF"]
     floor = max((p["chrF"] for p in points if p["method"] == "token_cascade[chow]" and p["alpha"] == 1.0),
                 default=min(p["chrF"] for p in points))
-    levels = {"target": target_q, "90% of gap": floor + 0.9 * (target_q - floor),
-              "75% of gap": floor + 0.75 * (target_q - floor), "50% of gap": floor + 0.5 * (target_q - floor)}
+    levels = {"target": target_q}
+    if floor < target_q:       # the drafter alone is worse: also report points part-way up the gap
+        levels.update({f"{f:.0%} of gap": floor + f * (target_q - floor) for f in (0.9, 0.75, 0.5)})
     summary = (cheapest_at(points, levels, "rel_walltime") + cheapest_at(points, levels, "rel_cost_model")
                + cheapest_at(points, levels, "target_calls_per_token"))
     print_table(summary, "cheapest point per method reaching each quality level (gap = drafter-only .. target chrF)")
