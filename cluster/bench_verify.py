@@ -16,6 +16,7 @@ completions against the held-out files' true continuations.  Writes a PNG plot a
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,18 @@ from .sampling import SamplingParams
 
 VERIFY_LS = (4, 6, 8)
 T1 = SamplingParams(1.0)
+
+
+def _threads() -> int:
+    """Intra-op threads for these suites (``SPECSERVE_BENCH_THREADS``, default 1).
+
+    On a shared CPU a 2-thread pool stalls whenever its second worker is descheduled, and that
+    penalises strategies that issue many small ops far more than plain decoding; one thread keeps
+    the rows' walltimes comparable.
+    """
+    n = check_int("SPECSERVE_BENCH_THREADS", os.environ.get("SPECSERVE_BENCH_THREADS", "1"), 1, 256)
+    torch.set_num_threads(n)
+    return n
 
 
 def _prompts(engine, n: int) -> list[dict]:
@@ -70,6 +83,7 @@ def expected_accepted(draft: list[int], q: torch.Tensor, p: torch.Tensor) -> tup
 def run_verify(args, cfg) -> int:
     from .loader import build_engine
     from .verify import VERIFIERS
+    threads = _threads()
     engine = build_engine(cfg)
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
@@ -130,7 +144,7 @@ def run_verify(args, cfg) -> int:
                 speed_ratio=round(b.tokens_per_s / t.tokens_per_s, 3) if t.tokens_per_s else None,
                 steps=t.steps + b.steps))
     title = (f"verify: block vs token verification, temperature 1, {len(prompts)} held-out prompts x {max_new} "
-             f"tokens, config {cfg.source}")
+             f"tokens, config {cfg.source}, {threads} thread(s)")
     print_table(table, title)
     print("acc_per_call = realised accepted draft tokens per target call; E_acc = expected accepted tokens of "
           "each verifier on the same drafts (paired); tok_s = generated tokens per second")
@@ -212,6 +226,7 @@ def plot_curves(points: list[dict], path: Path, title: str) -> None:
 
 def run_cascades(args, cfg) -> int:
     from .loader import build_engine
+    threads = _threads()
     engine = build_engine(cfg)
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
@@ -247,7 +262,7 @@ def run_cascades(args, cfg) -> int:
                            drafter_calls_per_token=round(row.draft_calls / row.tokens, 4),
                            accepted_per_call=round(row.accepted_per_call, 3), tokens_per_s=round(row.tokens_per_s, 2)))
     title = (f"cascades: {drafter} -> {cfg.target}, k={k}, temperature 1, {len(items)} held-out prompts x {max_new} "
-             f"tokens, config {cfg.source}")
+             f"tokens, config {cfg.source}, {threads} thread(s)")
     print_table(points, title)
     target_q = points[0]["chrF"]
     floor = max((p["chrF"] for p in points if p["method"] == "token_cascade[chow]" and p["alpha"] == 1.0),
