@@ -217,10 +217,10 @@ def plot_curves(points: list[dict], path: Path, title: str) -> None:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("chrF vs true continuation")
-    axes[2].legend(fontsize=8, loc="lower right")
+    axes[2].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
