@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from .errors import ParamError, check_float, check_int
 
@@ -113,7 +112,6 @@ def cmd_bench(args) -> int:
     for s in suites:
         if s not in SUITES:
             raise ParamError("suite", "comma-separated of " + ", ".join(SUITES), s)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     rc = 0
     for s in suites:
         t0 = time.perf_counter()

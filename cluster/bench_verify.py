@@ -32,13 +32,13 @@ T1 = SamplingParams(1.0)
 
 
 def _threads() -> int:
-    """Intra-op threads for these suites (``SPECSERVE_BENCH_THREADS``, default 1).
+    """Intra-op threads for these suites (``SPECSERVE_THREADS``, default 1; see cli.configure_threads).
 
     On a shared CPU a 2-thread pool stalls whenever its second worker is descheduled, and that
     penalises strategies that issue many small ops far more than plain decoding; one thread keeps
     the rows' walltimes comparable.
     """
-    n = check_int("SPECSERVE_BENCH_THREADS", os.environ.get("SPECSERVE_BENCH_THREADS", "1"), 1, 256)
+    n = check_int("SPECSERVE_THREADS", os.environ.get("SPECSERVE_THREADS", "1"), 1, 256)
     torch.set_num_threads(n)
     return n
 
