@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   - create .venv, install, build the embedded model family (cached), run the main job
+#   make serve  - create .venv, install, build the embedded model family (cached), complete held-out
+#                 prompts with speed/acceptance statistics, then serve it (gRPC :9000, HTTP :8000)
 #   make test   - create .venv, install, run the test suite (what .ci/run calls)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo zoo bench test clean
+.PHONY: setup demo serve zoo bench test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ zoo: $(STAMP)
 
 demo: zoo
 	$(BIN)/specserve demo --config configs/local.yaml
+
+serve: demo
+	$(BIN)/specserve up --config configs/local.yaml
 
 bench: zoo
 	$(BIN)/specserve bench --config configs/local.yaml

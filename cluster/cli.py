@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .errors import ConfigError, ParamError, check_int
 
@@ -178,6 +179,10 @@ def cmd_zoo(args) -> int:
     if args.zoo_command == "build":
         seed = check_int("seed", args.seed, 0, 2**31 - 1)
         zoo.build_zoo(cache, seed=seed, force=args.force, progress=True)
+        from .specdec_head import build_head      # SpecDec++ heads ride with the family (cached)
+        t0 = time.perf_counter()
+        if build_head(cache, seed=seed, force=args.force, progress=True):
+            print(f"SpecDec++ acceptance heads trained in {time.perf_counter() - t0:.0f} s")
         return 0
     manifest = zoo.load_manifest(cache)
     if manifest is None:
