@@ -30,6 +30,15 @@ class Row:
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
+    def record(self, stats, seconds: float) -> None:
+        """Add one generation's :class:`cluster.stats.RequestStats` and its wall time."""
+        self.seconds += seconds
+        self.tokens += stats.generated_tokens
+        self.target_calls += stats.target_forwards
+        self.draft_calls += sum(stats.drafter_forwards.values())
+        self.accepted += stats.accepted_tokens
+        self.steps += stats.steps
+
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0

@@ -81,15 +81,8 @@ class _Runner:
                                                      options=self.options, ignore_eos=True))
         if not timed:
             return
-        dt = time.perf_counter() - t0
-        s, r = res.stats, self.row
-        r.seconds += dt
-        r.tokens += s.generated_tokens
-        r.target_calls += s.target_forwards
-        r.draft_calls += sum(s.drafter_forwards.values())
-        r.accepted += s.accepted_tokens
-        r.steps += s.steps
-        self.stats.merge(s)
+        self.row.record(res.stats, time.perf_counter() - t0)
+        self.stats.merge(res.stats)
 
 
 def _run_rows(runners, prompts, desc):

@@ -52,13 +52,7 @@ def _run(engine, strategy: str, options: dict, sampling: SamplingParams, max_new
     t0 = time.perf_counter()
     res = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, sampling=sampling, seed=seed,
                                             strategy=strategy, options=options, ignore_eos=True))
-    row.seconds += time.perf_counter() - t0
-    s = res.stats
-    row.tokens += s.generated_tokens
-    row.target_calls += s.target_forwards
-    row.draft_calls += sum(s.drafter_forwards.values())
-    row.accepted += s.accepted_tokens
-    row.steps += s.steps
+    row.record(res.stats, time.perf_counter() - t0)
     return res
 
 

@@ -158,3 +158,23 @@ def target_joint(model: TabularModel, prompt: list[int], n: int, sampling=None) 
 
 def max_abs_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def engine_vs_target(vocab: int, k: int, n: int, seed: int, sampling, verify: str = "token"):
+    """(exact distribution of the engine's first ``n`` tokens under strategy speculative with a
+    tabular drafter that has zeros, exact target joint) for one random target/drafter pair."""
+    from cluster.engine import Engine, GenerationRequest
+    target = TabularModel("target", vocab, seed=seed)
+    drafter = TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
+    holder = {}
+    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
+                    rng_factory=lambda s: holder["rng"])
+
+    def run(rng):
+        holder["rng"] = drafter.rng = rng
+        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=n, sampling=sampling, seed=0,
+                                                strategy="speculative",
+                                                options={"drafter": "drafter", "k": k, "verify": verify}))
+        return tuple(res.token_ids)
+
+    return enumerate_outcomes(run), target_joint(target, [0], n, sampling)

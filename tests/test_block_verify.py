@@ -1,5 +1,4 @@
 """Block verification (paper 004): exact losslessness, exact expected accepted length, greedy equality."""
-import numpy as np
 import pytest
 import torch
 
@@ -7,8 +6,7 @@ from cluster.block_verify import block_weights, verify_block
 from cluster.engine import GenerationRequest
 from cluster.sampling import SamplingParams
 from cluster.verify import VERIFIERS, verify_tokens
-from tests.exact import (TabularModel, VocabTokenizer, enumerate_outcomes, max_abs_diff, random_dist,
-                         target_joint)
+from tests.exact import TabularModel, engine_vs_target, enumerate_outcomes, max_abs_diff, target_joint
 
 
 class _Cached(TabularModel):
@@ -124,34 +122,16 @@ def test_underflow_in_log_space():
     assert torch.isfinite(w2).all() and torch.isfinite(h2).all() and abs(float(w2[-1]) - 1.0) < 1e-9
 
 
-def _engine_distribution(vocab, k, n, seed, sampling):
-    from cluster.engine import Engine
-    target = TabularModel("target", vocab, seed=seed)
-    drafter = TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
-    holder = {}
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
-                    rng_factory=lambda s: holder["rng"])
-
-    def run(rng):
-        holder["rng"] = drafter.rng = rng
-        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=n, sampling=sampling, seed=0,
-                                                strategy="speculative",
-                                                options={"drafter": "drafter", "k": k, "verify": "block"}))
-        return tuple(res.token_ids)
-
-    return enumerate_outcomes(run), target_joint(target, [0], n, sampling)
-
-
 @pytest.mark.parametrize("vocab,k,seed,sampling", [(4, 3, 1, SamplingParams(1.0)), (3, 2, 2, SamplingParams(1.0)),
                                                    (4, 2, 7, SamplingParams(0.7, top_p=0.9))])
 def test_engine_block_speculative_equals_target_joint(vocab, k, seed, sampling):
     """The whole engine with --verify block over 3 tokens: exactly the (processed) target joint."""
-    got, want = _engine_distribution(vocab, k, 3, seed, sampling)
+    got, want = engine_vs_target(vocab, k, 3, seed, sampling, verify="block")
     assert max_abs_diff(got, want) < 1e-9
 
 
 def test_engine_block_greedy_is_target_argmax():
-    got, want = _engine_distribution(5, 3, 4, 11, SamplingParams(0.0))
+    got, want = engine_vs_target(5, 3, 4, 11, SamplingParams(0.0), verify="block")
     assert len(got) == 1 and got == want
 
 

@@ -3,11 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.engine import Engine, GenerationRequest
 from cluster.sampling import SamplingParams, logits_to_probs
 from cluster.verify import verify_tokens
-from tests.exact import (TabularModel, VocabTokenizer, enumerate_outcomes, max_abs_diff, random_dist,
-                         target_joint)
+from tests.exact import engine_vs_target, enumerate_outcomes, max_abs_diff, random_dist
 
 
 @pytest.mark.parametrize("vocab,L,seed,zeros", [(6, 1, 0, False), (6, 3, 1, True), (5, 3, 2, True),
@@ -30,27 +28,10 @@ def test_one_step_first_token_is_target_distributed(vocab, L, seed, zeros):
     assert max_abs_diff(dist, expect) < 1e-12
 
 
-def _engine_distribution(vocab, k, n, seed, sampling, verify="token"):
-    target = TabularModel("target", vocab, seed=seed)
-    drafter = TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
-    holder = {}
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
-                    rng_factory=lambda s: holder["rng"])
-
-    def run(rng):
-        holder["rng"] = drafter.rng = rng
-        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=n, sampling=sampling, seed=0,
-                                                strategy="speculative",
-                                                options={"drafter": "drafter", "k": k, "verify": verify}))
-        return tuple(res.token_ids)
-
-    return enumerate_outcomes(run), target_joint(target, [0], n, sampling)
-
-
 @pytest.mark.parametrize("vocab,k,seed", [(4, 1, 0), (4, 3, 1), (5, 2, 2), (3, 3, 3)])
 def test_engine_speculative_equals_target_joint(vocab, k, seed):
     """The whole engine (drafter proposals, verification, commits) over 3 tokens: exact target joint."""
-    got, want = _engine_distribution(vocab, k, 3, seed, SamplingParams(1.0))
+    got, want = engine_vs_target(vocab, k, 3, seed, SamplingParams(1.0))
     assert max_abs_diff(got, want) < 1e-9
 
 
@@ -58,12 +39,12 @@ def test_engine_speculative_equals_target_joint(vocab, k, seed):
                                       SamplingParams(1.0, top_p=0.8)])
 def test_engine_speculative_matches_processed_target(sampling):
     """With temperature / top-k / top-p, the output follows the *processed* target distribution."""
-    got, want = _engine_distribution(4, 2, 3, 7, sampling)
+    got, want = engine_vs_target(4, 2, 3, 7, sampling)
     assert max_abs_diff(got, want) < 1e-9
 
 
 def test_greedy_is_deterministic_and_equals_target_argmax():
-    got, want = _engine_distribution(5, 3, 4, 11, SamplingParams(0.0))
+    got, want = engine_vs_target(5, 3, 4, 11, SamplingParams(0.0))
     assert len(got) == 1 and got == want
 
 
