@@ -111,6 +111,7 @@ class HFWorker:
 
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         req = self._get(rid)
+        self._crop(req, len(req.tokens) - 1)     # the last context token is fed again: L+1 rows out
         req.tokens.extend(draft)
         return self._forward(req)[-(len(draft) + 1):]                   # [L+1, V]
 

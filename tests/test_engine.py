@@ -58,6 +58,21 @@ def test_kv_rollback_matches_fresh_prefill(tiny_engine):
     w.release("a"), w.release("b")
 
 
+def test_score_after_full_rollback_still_returns_all_rows(tiny_engine):
+    """A rollback that keeps every scored token leaves nothing pending; score must still give L+1 rows."""
+    w = tiny_engine.models["target"]
+    sp = SamplingParams(1.0)
+    prompt = list(b"class Cascade:")
+    w.prefill("a", prompt, sp, 0)
+    w.score("a", [10, 20])
+    w.rollback("a", len(prompt) + 2)                   # the cache covers all tokens now
+    again = w.score("a", [30, 40])
+    w.prefill("b", prompt + [10, 20], sp, 0)
+    torch.testing.assert_close(again, w.score("b", [30, 40]), atol=1e-5, rtol=1e-5)
+    assert again.shape[0] == 3
+    w.release("a"), w.release("b")
+
+
 @pytest.mark.parametrize("strategy", ["autoregressive", "speculative"])
 def test_seeded_sampling_is_reproducible(tiny_engine, strategy):
     a = _gen(tiny_engine, PROMPTS[1], strategy, seed=42, temperature=1.0)
