@@ -72,6 +72,8 @@ class ModelHost:
     def _accept(self, listener) -> None:
         while True:
             conn = listener.accept()
+            from cluster.remote import tcp_nodelay
+            tcp_nodelay(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="direct-conn").start()
 
     def _serve_conn(self, conn) -> None:
