@@ -9,13 +9,11 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 1. train a byte-level BPE tokenizer (``tokenizers``) on the train split;
    ``<|endoftext|>`` is BOS, EOS, PAD and the document separator;
 2. train ``target`` (a deep, narrow ``LlamaForCausalLM``) with cross-entropy;
-   embeddings are untied and get a much larger learning rate than the blocks,
-   which at this tiny budget (a few hundred steps) is worth ~0.6 nats/token;
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
-   (KL to the target's soft labels; both in one loop sharing one target
+   (KL to the target's soft labels mixed with a little CE, one shared target
    forward per batch).  ``drafter-large`` shares the target's width and starts
-   from a copy of the target's embeddings, head, final norm and first/last
-   blocks ("layer-dropped" initialisation);
+   from a copy of the target's embeddings, first/last blocks, final norm and
+   head ("layer-dropped" initialisation);
 4. evaluate every model on the held-out files: loss (nats/token), next-token
    accuracy, and *greedy agreement* with the target (fraction of held-out
    positions where ``argmax drafter == argmax target``, teacher-forced), and
@@ -37,10 +35,6 @@ The build happens in a sibling temp directory that is renamed into place only
 when complete, under a file lock, so an interrupted or concurrent build never
 looks complete.  With ``force=False`` an existing, matching build is returned
 as is.
-
-CPU notes: the build uses at most ``threads`` (default 2) torch threads, and
-for each phase picks 1 or 2 by timing (two threads are several times slower
-than one when other processes compete for the cores; results are identical).
 """
 
 from __future__ import annotations
@@ -81,6 +75,8 @@ __all__ = [
 ZOO_VERSION = 1
 EOT = "<|endoftext|>"
 MODEL_NAMES = ("target", "drafter-large", "drafter-small")
+# top-level entries a build writes; anything else found in cache_dir is left alone
+_BUILD_ENTRIES = frozenset({"manifest.json", "tokenizer", *MODEL_NAMES})
 
 
 # --------------------------------------------------------------------------- config
@@ -163,7 +159,7 @@ PRESETS: dict[str, ZooConfig] = {
         ),
         # at this scale progress is limited by the number of optimizer steps more
         # than by tokens per step, so batches are small (4 x 256 tokens).
-        target_steps=900,
+        target_steps=700,
         target_batch=4,
         target_lr=2e-3,
         distill_steps=300,
@@ -747,10 +743,9 @@ def build_zoo(
 
     ``cache_dir`` defaults to :func:`default_cache_dir`.  If a complete build
     with the same configuration and seed is there and ``force`` is false, its
-    manifest is returned without rebuilding.  A rebuild replaces ``cache_dir``
-    as a whole: anything other tools derived from the old models and kept in
-    it (e.g. trained heads, n-gram tables keyed by token id) is stale and goes
-    with it, so those tools regenerate it.  ``preset`` is ``"full"`` (the
+    manifest is returned without rebuilding.  On a rebuild, entries in
+    ``cache_dir`` that the builder does not write (e.g. artifacts other tools
+    keep next to the models) are carried over into the new build.  ``preset`` is ``"full"`` (the
     real family, a few minutes on 2 CPU cores), ``"tiny"`` (seconds; for tests)
     or a :class:`ZooConfig`.  Prints a summary table when it builds.
     """
@@ -771,6 +766,10 @@ def build_zoo(
                 old = cache_dir.parent / f".{cache_dir.name}.old-{os.getpid()}"
                 os.replace(cache_dir, old)
                 os.replace(tmp, cache_dir)
+                # carry over what others stored in the cache dir (not ours to delete)
+                for entry in old.iterdir():
+                    if entry.name not in _BUILD_ENTRIES and not (cache_dir / entry.name).exists():
+                        os.replace(entry, cache_dir / entry.name)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, cache_dir)

@@ -130,37 +130,6 @@ def test_second_call_uses_cache(tiny_zoo):
     assert not list(cache.parent.glob(".*.tmp-*"))  # no leftover temp dirs
 
 
-def test_force_rebuild_replaces_cache(tmp_path):
-    cache = tmp_path / "zoo-v1"
-    cache.mkdir()
-    (cache / "stale.txt").write_text("from an older build")
-    (cache / "manifest.json").write_text("{}")
-    m = zoo.build_zoo(cache, preset="tiny", seed=1, force=True, progress=False)
-    assert m["seed"] == 1 and zoo.zoo_is_built(cache)
-    assert not (cache / "stale.txt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["zoo-v1"]
-
-
-def test_thread_tuner_switches_under_contention():
-    """The 1-vs-2 thread probe follows whichever setting is currently faster."""
-    import torch
-
-    old = torch.get_num_threads()
-    tuner = zoo._ThreadTuner(2, period=10)
-    used = []
-    try:
-        for i in range(40):
-            with tuner:
-                n = torch.get_num_threads()
-                fast = (n == 2) if i < 15 else (n == 1)  # two threads stop paying off at step 15
-                time.sleep(0.002 if fast else 0.01)
-            used.append(n)
-    finally:
-        torch.set_num_threads(old)
-    assert used[2:12].count(2) >= 8
-    assert used[-10:].count(1) >= 8
-
-
 def test_incomplete_build_is_not_built(tmp_path):
     cache = tmp_path / "zoo-v1"
     assert zoo.load_manifest(cache) is None and not zoo.zoo_is_built(cache)
