@@ -17,9 +17,7 @@ Everything here is deterministic:
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import os
 import random
 import sysconfig
 from pathlib import Path
@@ -44,7 +42,6 @@ HELDOUT_FRACTION = 0.04
 _EXCLUDED_DIRS = frozenset({"site-packages", "__pycache__", "pydoc_data"})
 
 
-@functools.lru_cache(maxsize=None)
 def stdlib_root() -> Path:
     """The directory of the running interpreter's pure-Python standard library."""
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -80,17 +77,10 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     """
     root = Path(root).resolve() if root is not None else stdlib_root()
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        base = Path(dirpath)
-        rel_dir = base.relative_to(root)
-        # prune excluded directories (site-packages alone holds tens of thousands of files)
-        dirnames[:] = [d for d in dirnames if not _excluded(rel_dir / d / "x.py")]
-        for name in filenames:
-            if not name.endswith(".py"):
-                continue
-            p = base / name
-            if not _excluded(rel_dir / name) and p.is_file() and not _generated_table(p):
-                out.append(p)
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root)
+        if not _excluded(rel) and p.is_file() and not _generated_table(p):
+            out.append(p)
     out.sort(key=lambda p: p.relative_to(root).as_posix())
     return out
 
@@ -153,13 +143,6 @@ def read_corpus(files: Iterable[Path], max_chars: int | None = None, sep: str = 
     return text[:max_chars] if max_chars is not None else text
 
 
-def _count_tokens(tokenizer, text: str) -> int:
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # no max-length warning for long files
-    if backend is not None:
-        return len(backend.encode(text, add_special_tokens=False).ids)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -177,9 +160,9 @@ def heldout_prompts(
 
     Each item is ``{"prompt": str, "prompt_ids": list[int], "reference": str,
     "source": str}``.  A prompt starts at the beginning of a (non-blank) line,
-    spans at most ``prompt_tokens`` tokens and, where possible, ends at a line
-    boundary (after a newline and any indentation that shares its token; it
-    keeps at least half of ``prompt_tokens``, else the cut falls mid-line).  ``reference`` is the file's true continuation right
+    spans about ``prompt_tokens`` tokens and, where possible, ends at a line
+    boundary (it is never shorter than half of ``prompt_tokens`` unless the cut
+    has to fall mid-line).  ``reference`` is the file's true continuation right
     after the prompt, about ``continuation_tokens`` tokens long; it is meant as
     the reference text for chrF scoring.  ``prompt_ids`` is
     ``tokenizer(prompt, add_special_tokens=False).input_ids``; no BOS is added.
@@ -196,7 +179,7 @@ def heldout_prompts(
     docs = []  # (rel, text, candidate line-start character offsets)
     for f in files:
         text = read_file(f)
-        if _count_tokens(tokenizer, text) < need + 1:
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) < need + 1:
             continue  # too short for even one prompt + continuation
         starts, pos = [], 0
         for line in text.splitlines(keepends=True):
@@ -226,14 +209,11 @@ def heldout_prompts(
         if len(ids) < need:
             continue  # too close to the end of the file
         seen.add((rel, c0))
-        # Prefer ending the prompt at a line boundary, keeping >= half the
-        # tokens: after the last token that ends in a newline (plus, with
-        # byte-level BPE, usually the next line's indentation).  Cutting at a
-        # token boundary keeps prompt_ids identical to the in-context tokens.
+        # prefer ending the prompt right after a newline, keeping >= half the tokens
         end = prompt_tokens  # exclusive token index
         for j in range(prompt_tokens, max(1, prompt_tokens // 2), -1):
-            piece = window[offs[j - 1][0] : offs[j - 1][1]]
-            if "\n" in piece and not piece[piece.rindex("\n") + 1 :].strip(" \t"):
+            e = offs[j - 1][1]
+            if e > 0 and window[e - 1] == "\n":
                 end = j
                 break
         p_end = offs[end - 1][1]

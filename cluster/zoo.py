@@ -75,8 +75,6 @@ __all__ = [
 ZOO_VERSION = 1
 EOT = "<|endoftext|>"
 MODEL_NAMES = ("target", "drafter-large", "drafter-small")
-# top-level entries a build writes; anything else found in cache_dir is left alone
-_BUILD_ENTRIES = frozenset({"manifest.json", "tokenizer", *MODEL_NAMES})
 
 
 # --------------------------------------------------------------------------- config
@@ -95,9 +93,6 @@ class ModelSpec:
     #: drafters only: start from a copy of the target's embeddings, norm, head
     #: and evenly spaced blocks (requires ``hidden`` == target hidden).
     init_from_target: bool = False
-    #: share the input embedding and output head.  Untied embeddings (trained
-    #: with a much larger learning rate) learn far faster at this scale.
-    tie_embeddings: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,15 +112,11 @@ class ZooConfig:
     distill_steps: int
     distill_batch: int
     distill_lr: float
-    distill_kl_weight: float = 1.0  # loss = w * KL(target || drafter) + (1 - w) * CE
+    distill_kl_weight: float = 0.9  # loss = w * KL(target || drafter) + (1 - w) * CE
     distill_temperature: float = 1.0
     warmup_frac: float = 0.05
     min_lr_frac: float = 0.1
     weight_decay: float = 0.1
-    #: learning-rate multipliers for untied input embeddings / output head
-    #: (sparse, per-token rows learn slowly at the base rate)
-    embed_lr_scale: float = 20.0
-    head_lr_scale: float = 6.0
     grad_clip: float = 1.0
     # data
     max_train_chars: int | None = None  # None: the whole train split
@@ -151,21 +142,19 @@ PRESETS: dict[str, ZooConfig] = {
         preset="full",
         vocab_size=4096,
         seq_len=256,
-        # deep and narrow: on CPU a batch-1 decode step costs roughly per layer
-        target=ModelSpec("target", hidden=192, layers=7, intermediate=512, heads=6, kv_heads=6),
+        target=ModelSpec("target", hidden=192, layers=6, intermediate=512, heads=6, kv_heads=6),
         drafters=(
             ModelSpec("drafter-large", hidden=192, layers=2, intermediate=512, heads=6, kv_heads=6, init_from_target=True),
-            ModelSpec("drafter-small", hidden=48, layers=1, intermediate=128, heads=2, kv_heads=2),
+            ModelSpec("drafter-small", hidden=64, layers=1, intermediate=192, heads=2, kv_heads=2),
         ),
         # at this scale progress is limited by the number of optimizer steps more
         # than by tokens per step, so batches are small (4 x 256 tokens).
-        target_steps=700,
+        target_steps=800,
         target_batch=4,
         target_lr=2e-3,
-        distill_steps=300,
+        distill_steps=600,
         distill_batch=4,
         distill_lr=2e-3,
-        distill_kl_weight=1.0,
     ),
     # seconds; for tests and smoke runs only (models are essentially untrained).
     "tiny": ZooConfig(
@@ -278,9 +267,8 @@ class _ThreadTuner:
     On an idle 2-core machine two intra-op threads are clearly faster than one,
     but when other processes compete for the cores every parallel op waits for
     whichever thread was descheduled, and two threads become several times
-    *slower* than one.  Every ``period`` steps (and early, when steps get much
-    slower than they were when the choice was made) this times one step with
-    each setting and keeps the faster.  The thread count does not change results.
+    *slower* than one.  Every ``period`` steps this times one step with each
+    setting and keeps the faster.  The thread count does not change results.
     """
 
     def __init__(self, max_threads: int, period: int = 25):
@@ -293,19 +281,12 @@ class _ThreadTuner:
         self.used: dict[int, int] = {}
         self._t0 = 0.0
         self._cur = self.max
-        self._ref = None  # step time of the current choice when it was made
-        self._ema = None
-        self._since = 0  # steps since the last probe
 
     def __enter__(self):
         import torch
 
-        due = self.step >= 1 and (self._since >= self.period or self.step == 1)
-        slow = self._ref is not None and self._ema is not None and self._since >= 4 and self._ema > 1.5 * self._ref
-        if self.max > 1 and not self.plan and (due or slow):
-            # probe the setting not in use first, so a slow spell is not blamed on it
-            self.plan = [1, self.max] if self.choice == self.max else [self.max, 1]
-            self.trial = {}
+        if self.max > 1 and self.step >= 1 and (self.step - 1) % self.period == 0:
+            self.plan, self.trial = [self.max, 1], {}  # skip step 0: it includes warm-up
         self._cur = self.plan[0] if self.plan else self.choice
         torch.set_num_threads(self._cur)
         self._t0 = time.perf_counter()
@@ -317,11 +298,6 @@ class _ThreadTuner:
             self.trial[self.plan.pop(0)] = dt
             if not self.plan:
                 self.choice = min(self.trial, key=self.trial.get)
-                self._ref = self._ema = self.trial[self.choice]
-                self._since = 0
-        else:
-            self._ema = dt if self._ema is None else 0.7 * self._ema + 0.3 * dt
-            self._since += 1
         self.used[self._cur] = self.used.get(self._cur, 0) + 1
         self.step += 1
         return False
@@ -421,7 +397,7 @@ def _make_model(spec: ModelSpec, cfg: ZooConfig, eot_id: int, seed: int):
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
-        tie_word_embeddings=spec.tie_embeddings,
+        tie_word_embeddings=True,
         bos_token_id=eot_id,
         eos_token_id=eot_id,
         pad_token_id=eot_id,
@@ -481,23 +457,16 @@ def _lr_lambda(steps: int, warmup_frac: float, min_frac: float):
 
 
 def _optimizer(model, lr: float, steps: int, cfg: ZooConfig):
-    """AdamW with warm-up + cosine decay; untied embeddings / head get scaled rates."""
     import torch
 
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    special = {id(emb), id(head)}
-    rest = [p for p in model.parameters() if id(p) not in special]
-    groups = [
-        {"params": [p for p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr": lr},
-        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "lr": lr},
-    ]
-    if emb is head:  # tied
-        groups.append({"params": [emb], "weight_decay": cfg.weight_decay, "lr": lr})
-    else:
-        groups.append({"params": [emb], "weight_decay": 0.0, "lr": lr * cfg.embed_lr_scale})
-        groups.append({"params": [head], "weight_decay": cfg.weight_decay, "lr": lr * cfg.head_lr_scale})
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(steps, cfg.warmup_frac, cfg.min_lr_frac))
     return opt, sched
 
@@ -594,7 +563,7 @@ def _distill(
         d.eval()
         d.config.use_cache = True
         out[name] = {
-            "objective": f"KL(target||drafter, T={tau:g})" + (f" * {w:g} + CE * {1 - w:g}" if w < 1 else ""),
+            "objective": f"{w:g}*KL(target||drafter, T={tau:g}) + {1 - w:g}*CE",
             "steps": cfg.distill_steps,
             "batch": cfg.distill_batch,
             "seq_len": cfg.seq_len,
@@ -743,9 +712,7 @@ def build_zoo(
 
     ``cache_dir`` defaults to :func:`default_cache_dir`.  If a complete build
     with the same configuration and seed is there and ``force`` is false, its
-    manifest is returned without rebuilding.  On a rebuild, entries in
-    ``cache_dir`` that the builder does not write (e.g. artifacts other tools
-    keep next to the models) are carried over into the new build.  ``preset`` is ``"full"`` (the
+    manifest is returned without rebuilding.  ``preset`` is ``"full"`` (the
     real family, a few minutes on 2 CPU cores), ``"tiny"`` (seconds; for tests)
     or a :class:`ZooConfig`.  Prints a summary table when it builds.
     """
@@ -763,13 +730,9 @@ def build_zoo(
             with _torch_threads(threads):
                 _build_into(tmp, cfg, seed, fp, progress, threads)
             if cache_dir.exists():
-                old = cache_dir.parent / f".{cache_dir.name}.old-{os.getpid()}"
+                old = cache_dir.parent / f".{cache_dir.name}.tmp-old-{os.getpid()}"
                 os.replace(cache_dir, old)
                 os.replace(tmp, cache_dir)
-                # carry over what others stored in the cache dir (not ours to delete)
-                for entry in old.iterdir():
-                    if entry.name not in _BUILD_ENTRIES and not (cache_dir / entry.name).exists():
-                        os.replace(entry, cache_dir / entry.name)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, cache_dir)
@@ -875,7 +838,6 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
                 "intermediate": spec.intermediate,
                 "heads": spec.heads,
                 "kv_heads": spec.kv_heads,
-                "tied_embeddings": spec.tie_embeddings,
                 "heldout_loss": round(metrics[name]["loss"], 4),
                 "top1_acc": round(metrics[name]["top1_acc"], 4),
                 "agreement": round(metrics[name]["agreement"], 4),
