@@ -1,6 +1,6 @@
-"""A Ray actor hosting one model (:class:`cluster.worker.HFWorker`) behind the ModelHandle methods.
+"""A Ray actor hosting one model (:class:`cluster.models.hf.HFWorker`) behind the ModelHandle methods.
 
-The coordinator talks to it through :class:`cluster.remote.RemoteHandle`, which queues the calls that
+The coordinator talks to it through :class:`cluster.serving.remote.RemoteHandle`, which queues the calls that
 return nothing (prefill, rollback, extend) and sends them with the next call that returns something,
 so each decoding step costs one round trip per model:
 
@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from multiprocessing.connection import Listener
 
 import torch
 
-OPS = ("prefill", "rollback", "extend")
-METHODS = ("propose", "score", "propose_adaptive", "noop")     # propose_adaptive: SpecDec++ drafters
+from actors.protocol import METHODS, OPS, pack, picklable, tcp_nodelay
+from cluster.models.build import build_handle
 
 
 class ModelHost:
@@ -32,15 +33,15 @@ class ModelHost:
 
     def __init__(self, cfg, name: str, threads: int = 1, concurrency: int = 4):
         torch.set_num_threads(threads)
-        from .loading import build_worker
-        self.worker = build_worker(cfg, name)
+        self.worker = build_handle(cfg, name)
         self.name = name
         self.concurrency = concurrency          # calls served at once over direct sockets
 
     def info(self) -> dict:
         w = self.worker
         return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params,
-                    specdec_head=_picklable(getattr(w, "specdec_head", None)))
+                    specdec_head=picklable(getattr(w, "specdec_head", None)),
+                    deterministic=bool(getattr(w, "deterministic", False)))
 
     def call(self, rid: str, ops: list, method: str, args: tuple = ()):
         t0 = time.perf_counter()
@@ -51,7 +52,7 @@ class ModelHost:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}")
         out = None if method == "noop" else getattr(self.worker, method)(rid, *args)
-        return _pack(out), time.perf_counter() - t0
+        return pack(out), time.perf_counter() - t0
 
     def release(self, rid: str) -> None:
         self.worker.release(rid)
@@ -60,8 +61,8 @@ class ModelHost:
     def serve_direct(self) -> tuple[str, int, bytes]:
         """Start (once) a socket server for :meth:`call`; returns (host, port, authkey)."""
         if getattr(self, "_direct", None) is None:
+
             import ray
-            from multiprocessing.connection import Listener
             host, key = ray.util.get_node_ip_address(), os.urandom(16)
             listener = Listener((host, 0), authkey=key)
             self._slots = threading.BoundedSemaphore(getattr(self, "concurrency", 4))
@@ -72,7 +73,6 @@ class ModelHost:
     def _accept(self, listener) -> None:
         while True:
             conn = listener.accept()
-            from cluster.remote import tcp_nodelay
             tcp_nodelay(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="direct-conn").start()
 
@@ -100,24 +100,6 @@ class ModelHost:
 
     def health(self) -> dict:
         return dict(name=self.name, ok=True, active=len(self.worker.active_requests()))
-
-
-def _picklable(x):
-    import pickle
-    try:
-        pickle.dumps(x)
-        return x
-    except Exception:                                 # noqa: BLE001 - an attribute we cannot ship
-        return None
-
-
-def _pack(out):
-    """Tensors as numpy arrays: Ray serialises those out of band, cheaper than pickled tensors."""
-    if isinstance(out, torch.Tensor):
-        return out.numpy()
-    if isinstance(out, tuple):
-        return tuple(_pack(x) for x in out)
-    return out
 
 
 def model_actor_class():

@@ -1,7 +1,7 @@
 """A tensor-parallel target: ``tp_size`` rank actors in one Ray placement group, called in lockstep.
 
 Each rank initialises ``torch.distributed`` (gloo on CPU, NCCL on GPU) and loads its shard of the
-checkpoint through transformers' own tensor-parallel plan (:func:`actors.loading.build_worker` with
+checkpoint through transformers' own tensor-parallel plan (:func:`cluster.models.build.build_handle` with
 ``tp_size``; Megatron-style column/row splits, one all-reduce per attention and MLP block, the
 vocabulary logits gathered).  Every call goes to every rank in the same order (the collectives
 inside the forward pass pair up), each rank keeps the same per-request state (token sequence and its
@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 import socket
 
-from .model_actor import ModelHost
+import torch
+import torch.distributed as dist
+
+from actors.model_actor import ModelHost
+from cluster.models.build import build_handle
 
 
 class TPRank(ModelHost):
     def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # noqa: super deferred
-        import torch
         torch.set_num_threads(threads)
         self.cfg, self.name, self.rank, self.world = cfg, name, rank, world
         self.worker = None
@@ -33,13 +36,12 @@ class TPRank(ModelHost):
 
     def setup(self, master: tuple[str, int], backend: str, device: str) -> dict:
         """Join the process group and load this rank's shard (all ranks call this together)."""
-        import torch.distributed as dist
-        from .loading import build_worker
+
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world)
-        self.worker = build_worker(self.cfg, self.name, tp_size=self.world, device=device)
+        self.worker = build_handle(self.cfg, self.name, tp_size=self.world)
         return self.info()
 
     def call(self, rid, ops, method, args=()):

@@ -1,5 +1,20 @@
 """Decoding strategies, registered by name. Importing this package registers all of them."""
-from . import autoregressive, cascade, cs_drafting, mag, specdec_pp, speculative  # noqa: F401
-from .base import REGISTRY, Option, StepContext, Strategy, all_options, register, resolve_options
+from cluster.strategies import (
+    autoregressive,
+    cascade,
+    cs_drafting,
+    mag,
+    specdec_pp,
+    speculative,
+)
+from cluster.strategies.base import (
+    REGISTRY,
+    Option,
+    StepContext,
+    Strategy,
+    all_options,
+    register,
+    resolve_options,
+)
 
 __all__ = ["REGISTRY", "Option", "StepContext", "Strategy", "all_options", "register", "resolve_options"]

@@ -1,8 +1,8 @@
 """Plain autoregressive decoding with the target: the baseline every strategy is measured against."""
 from __future__ import annotations
 
-from ..sampling import sample
-from .base import StepContext, Strategy, register
+from cluster.core.sampling import sample
+from cluster.strategies.base import StepContext, Strategy, register
 
 
 @register

@@ -11,10 +11,10 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..errors import ParamError, check_choice, check_float, check_int
-from ..model import ModelHandle
-from ..sampling import Rng, SamplingParams, logits_to_probs
-from ..stats import RequestStats
+from cluster.core.interfaces import ModelHandle
+from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
+from cluster.core.stats import RequestStats
+from cluster.errors import ParamError, check_choice, check_float, check_int
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,18 @@ the raw logits), the mixture / lossy target uses the scaled ones that are actual
 """
 from __future__ import annotations
 
-from ..cascades import ALPHA_RANGE, RULES, cascade_target, defer_chow, lossy_target
-from ..errors import ParamError
-from ..sampling import UNSCALED, logits_to_probs, sample
-from ..verify import gen_spec_verify
-from .base import Option, StepContext, Strategy, register
-from .speculative import DRAFTER, K
+from cluster.core.cascade_targets import (
+    ALPHA_RANGE,
+    RULES,
+    cascade_target,
+    defer_chow,
+    lossy_target,
+)
+from cluster.core.sampling import UNSCALED, logits_to_probs, sample
+from cluster.core.verify import gen_spec_verify
+from cluster.errors import ParamError
+from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.speculative import DRAFTER, K
 
 ALPHA = Option("alpha", float, 0.1,
                "cascade cost parameter: rules defer less as alpha grows (1 = never defer, -2 = always); "

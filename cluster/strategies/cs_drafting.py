@@ -41,12 +41,13 @@ import json
 
 import torch
 
-from ..cascades import lossy_target
-from ..errors import ParamError, check_float
-from ..sampling import UNSCALED, logits_to_probs
-from ..verify import VERIFIERS, gen_spec_verify
-from .base import Option, StepContext, Strategy, register
-from .speculative import VERIFY
+from cluster.core.cascade_targets import lossy_target
+from cluster.core.sampling import UNSCALED, logits_to_probs
+from cluster.core.verifiers import VERIFIERS
+from cluster.core.verify import gen_spec_verify
+from cluster.errors import ParamError, check_float
+from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.speculative import VERIFY
 
 MAX_BUDGET = 64
 
@@ -171,8 +172,8 @@ class CSDrafting(Strategy):
 
 
 def _is_mag(handle) -> bool:
-    from ..mag import MagHandle
-    return isinstance(handle, MagHandle) or bool(getattr(handle, "is_mag", False))
+    """A deterministic drafter (the Max-Gram drafter), by its declared capability."""
+    return bool(getattr(handle, "deterministic", False))
 
 
 class _Cascade:

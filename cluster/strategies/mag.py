@@ -5,19 +5,18 @@ recovers from p with x removed: exact, at the cost of nothing but the target's f
 """
 from __future__ import annotations
 
-from ..errors import ParamError
-from ..verify import VERIFIERS
-from .base import Strategy, StepContext, register
-from .speculative import K, VERIFY, speculative_step
+from cluster.core.verifiers import VERIFIERS
+from cluster.errors import ParamError
+from cluster.strategies.base import StepContext, Strategy, register
+from cluster.strategies.speculative import VERIFY, K, speculative_step
 
 MAG_NAME = "mag"
 
 
 def find_mag(models) -> str:
-    """The name of the served MaG drafter (config section ``mag``)."""
-    from ..mag import MagHandle
+    """The name of the served MaG drafter (config section ``mag``): the deterministic drafter."""
     for name, m in models.items():
-        if isinstance(m, MagHandle) or getattr(m, "is_mag", False):
+        if getattr(m, "deterministic", False):
             return name
     if MAG_NAME in models:
         return MAG_NAME

@@ -7,10 +7,10 @@ target verifies as in plain speculative sampling.  The stopping rule looks only 
 """
 from __future__ import annotations
 
-from ..errors import ParamError
-from ..verify import VERIFIERS
-from .base import Option, StepContext, Strategy, register
-from .speculative import DRAFTER, VERIFY
+from cluster.core.verifiers import VERIFIERS
+from cluster.errors import ParamError
+from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.speculative import DRAFTER, VERIFY
 
 K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
 THRESHOLD = Option("threshold", float, 0.5, "SpecDec++: stop drafting once P(some candidate rejected) > h",

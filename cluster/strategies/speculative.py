@@ -5,8 +5,8 @@ pass, and a verifier from :data:`cluster.verify.VERIFIERS` keeps a prefix plus o
 """
 from __future__ import annotations
 
-from ..verify import VERIFIERS
-from .base import Option, StepContext, Strategy, register
+from cluster.core.verifiers import VERIFIERS
+from cluster.strategies.base import Option, StepContext, Strategy, register
 
 DRAFTER = Option("drafter", str, None, "drafter model name (default: the config's first drafter)")
 K = Option("k", int, 4, "draft tokens per step", low=1, high=64)

@@ -1,0 +1,15 @@
+"""Benchmarks: one module per suite, :mod:`cluster.bench.report` shared by all (and importing none).
+
+``SUITES`` maps a suite name (``specserve bench --suite``) to its ``run(args, cfg) -> exit code``.
+"""
+from __future__ import annotations
+
+from cluster.bench import cascades, cluster, cs, main, verify
+
+SUITES = {
+    "main": main.run,
+    "cluster": cluster.run,
+    "verify": verify.run_verify,
+    "cascades": cascades.run_cascades,
+    "cs": cs.run,
+}

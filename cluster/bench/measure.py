@@ -1,0 +1,96 @@
+"""measure: moved from cluster.cost, cluster.mag."""
+from __future__ import annotations
+
+import statistics
+import time
+import time as _time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cluster.core.sampling import SamplingParams, logits_to_probs
+from cluster.engine.request import GenerationRequest
+from cluster.models.maxgram import MagHandle
+
+
+# -- `specserve tune`: measure, predict, choose ------------------------------------------------------
+def measure_alphas(engine, names: list[str], prompts: list[list[int]], sampling, n_tokens: int = 48,
+                   seed: int = 0) -> dict[tuple[str, str], float]:
+    """alpha(reviewer, drafter) for every ordered pair of served models (reviewer != drafter):
+    on target continuations of ``prompts`` (teacher-forced), the mean of sum_x min(p_r(x), q_d(x))
+    (temperature > 0; the exact acceptance probability of speculative sampling) or of
+    [argmax p_r == argmax q_d] (greedy).  MaG's q is the one-hot of its prediction."""
+
+    sums: dict[tuple[str, str], float] = {}
+    count = 0
+    for i, ids in enumerate(prompts):
+        res = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=n_tokens, sampling=sampling,
+                                                seed=seed + i, strategy="autoregressive", ignore_eos=True))
+        seq, L = ids + res.token_ids, len(res.token_ids)
+        dists = {}
+        for name in names:
+            h = engine.models[name]
+            if getattr(h, "deterministic", False):
+                h.prefill("tune", ids, sampling, 0)
+                logits = h.score("tune", res.token_ids)[:-1]                        # [L, V]
+                h.release("tune")
+            else:
+                with torch.inference_mode():
+                    logits = h.model(input_ids=torch.tensor([seq])).logits[0, len(ids) - 1:-1].float()
+            dists[name] = logits_to_probs(logits, sampling)                         # [L, V]
+        for r in names:
+            for d in names:
+                if r != d:
+                    a = torch.minimum(dists[r], dists[d]).sum(-1).sum()
+                    sums[(r, d)] = sums.get((r, d), 0.0) + float(a)
+        count += L
+    return {k: v / max(1, count) for k, v in sums.items()}
+
+
+def measure_costs(engine, names: list[str], prompt: list[int], iters: int = 15) -> dict[str, float]:
+    """Median seconds of one call per model: a 1-token forward with KV cache for neural models (the
+    target: scoring a 4-token draft), one 4-token proposal for MaG."""
+
+    out = {}
+    for name in names:
+        h = engine.models[name]
+        h.prefill("cost", prompt, SamplingParams(0.0), 0)
+        ts = []
+        for _ in range(iters + 2):
+            t0 = _time.perf_counter()
+            if getattr(h, "deterministic", False):
+                h.propose("cost", 4)
+            elif name == engine.target:
+                h.score("cost", prompt[-4:])
+            else:
+                h.score("cost", [])
+            ts.append(_time.perf_counter() - t0)
+            h.rollback("cost", len(prompt))
+        h.release("cost")
+        out[name] = statistics.median(ts[2:])
+    return out
+
+
+def proposal_latency(handle: MagHandle, sizes: Sequence[int] = (256, 1024, 4096), k: int = 8,
+                     iters: int = 200, seed: int = 0) -> dict[int, float]:
+    """Median microseconds of one ``propose(k)`` + ``rollback`` at each context length (random
+    repetitive token sequences, so matches are found)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in sizes:
+        base = rng.integers(0, handle.vocab_size, size=max(8, n // 8)).tolist()
+        ids = (base * (n // len(base) + 1))[:n]
+        for i in range(0, n, 7):                       # perturb so matches have varying lengths
+            ids[i] = int(rng.integers(0, handle.vocab_size))
+        rid = f"latency-{n}"
+        handle.prefill(rid, ids)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            handle.propose(rid, k)
+            handle.rollback(rid, n)
+            times.append(time.perf_counter() - t0)
+        handle.release(rid)
+        out[n] = float(np.median(times) * 1e6)
+    return out

@@ -1,0 +1,95 @@
+"""``specserve bench``: strategies and today's peers, side by side on the same models and prompts.
+
+Suites register in :data:`SUITES` (name -> ``run(args, cfg) -> int``); ``--suite`` picks them.
+Every row is measured in the same process and run, interleaved prompt by prompt, so ratios are
+comparable on a noisy shared machine.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Row:
+    """One benchmark row: totals over all prompts."""
+
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    target_calls: int = 0
+    draft_calls: int = 0
+    accepted: int = 0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def record(self, stats, seconds: float) -> None:
+        """Add one generation's :class:`cluster.stats.RequestStats` and its wall time."""
+        self.seconds += seconds
+        self.tokens += stats.generated_tokens
+        self.target_calls += stats.target_forwards
+        self.draft_calls += sum(stats.drafter_forwards.values())
+        self.accepted += stats.accepted_tokens
+        self.steps += stats.steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def accepted_per_call(self) -> float:
+        """Mean accepted draft tokens per target verification call."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def calls_per_token(self) -> float:
+        return self.target_calls / self.tokens if self.tokens else 0.0
+
+    def as_dict(self, baseline: "Row | None" = None) -> dict:
+        d = dict(name=self.name, tokens=self.tokens, seconds=round(self.seconds, 4),
+                 tokens_per_s=round(self.tokens_per_s, 2),
+                 speedup=round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline and
+                 baseline.tokens_per_s else None,
+                 accepted_per_call=round(self.accepted_per_call, 3),
+                 target_calls_per_token=round(self.calls_per_token, 4),
+                 draft_calls_per_token=round(self.draft_calls / self.tokens, 4) if self.tokens else 0.0)
+        d.update(self.extra)
+        return d
+
+
+def print_table(rows: list[dict], title: str = "", file=sys.stdout) -> None:
+    """A plain-text table of dicts (columns: union of keys, in first-seen order)."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    if title:
+        print(f"\n== {title} ==", file=file)
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)), file=file)
+
+
+def write_results(rows: list[dict], out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)

@@ -1,0 +1,25 @@
+"""bench: moved from cluster.bench."""
+from __future__ import annotations
+
+import time
+
+from cluster.bench import SUITES
+from cluster.cli.common import load_built_config
+from cluster.errors import ParamError, check_float, check_int
+
+
+def cmd_bench(args) -> int:
+    cfg = load_built_config(args.config)
+    check_int("prompts", args.prompts, 1, 256)
+    check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    check_float("temperature", args.temperature, 0.0, 100.0)
+    suites = [s.strip() for s in getattr(args, "suite", "main").split(",")]
+    for s in suites:
+        if s not in SUITES:
+            raise ParamError("suite", "comma-separated of " + ", ".join(SUITES), s)
+    rc = 0
+    for s in suites:
+        t0 = time.perf_counter()
+        rc |= SUITES[s](args, cfg)
+        print(f"[suite {s}: {time.perf_counter() - t0:.1f}s]")
+    return rc

@@ -1,0 +1,198 @@
+"""``specserve`` command line: generate, zoo, bench, demo.
+
+Bad arguments print one line naming the parameter, its allowed range and the value, and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cluster.cli.bench import cmd_bench
+from cluster.cli.cluster import add_cluster_commands, run_cluster_command
+from cluster.cli.common import EXIT_USAGE, configure_threads, load_built_config
+from cluster.cli.cs import add_cs_commands, run_cs_command
+from cluster.config.paths import default_cache_dir
+from cluster.core.sampling import SamplingParams
+from cluster.core.stats import RequestStats
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ConfigError, ParamError, check_int
+from cluster.family import build_family
+from cluster.family.cache import load_manifest
+from cluster.family.corpus import heldout_prompts
+from cluster.local import build_engine
+from cluster.strategies import REGISTRY, all_options
+
+
+def _add_config(p: argparse.ArgumentParser, default: str = "configs/local.yaml") -> None:
+    p.add_argument("--config", default=default, help=f"YAML config (default: {default})")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", help="0 = greedy (default: the config's)")
+    p.add_argument("--top-p", dest="top_p", help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", dest="top_k", help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", help="tokens to generate")
+    p.add_argument("--seed", help="random seed (default: random, reported)")
+
+
+def _add_strategy_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", help="one of: " + ", ".join(sorted(REGISTRY)))
+    for opt in all_options().values():
+        p.add_argument("--" + opt.name.replace("_", "-"), dest="opt_" + opt.name, help=opt.help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding engine and cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion in-process")
+    _add_config(g)
+    g.add_argument("--prompt", required=True, help="prompt text")
+    _add_strategy_options(g)
+    _add_sampling(g)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON")
+
+    z = sub.add_parser("zoo", help="the embedded model family")
+    zsub = z.add_subparsers(dest="zoo_command", required=True)
+    zb = zsub.add_parser("build", help="train tokenizer, target and drafters (cached)")
+    zb.add_argument("--cache-dir", help="default: $SPECSERVE_CACHE or ~/.cache/specserve")
+    zb.add_argument("--force", action="store_true", help="rebuild even if cached")
+    zb.add_argument("--seed", default="0")
+    zsub.add_parser("info", help="print the cached family's manifest").add_argument("--cache-dir")
+
+    b = sub.add_parser("bench", help="benchmark strategies and Hugging Face peers side by side")
+    _add_config(b)
+    b.add_argument("--prompts", default="8", help="held-out prompts (default 8)")
+    b.add_argument("--max-new-tokens", dest="max_new_tokens", default="64")
+    b.add_argument("--ks", default="2,4,6", help="comma-separated draft lengths for the k sweep")
+    b.add_argument("--temperature", default="0")
+    b.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate() peers")
+    b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
+    b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
+    b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
+
+    d = sub.add_parser("demo", help="build the family if needed, complete held-out prompts, print stats")
+    _add_config(d)
+    d.add_argument("--prompts", default="4")
+    d.add_argument("--max-new-tokens", dest="max_new_tokens", default="48")
+    add_cluster_commands(sub)                    # up, down, client
+    add_cs_commands(sub)                         # train-head, tune, mag build-bigram
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command != "zoo":          # the zoo build picks its training threads itself
+            configure_threads()
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "zoo":
+            return cmd_zoo(args)
+        if args.command in ("up", "down", "client"):
+            return run_cluster_command(args)
+        if args.command == "bench":
+            if args.cluster:
+                args.suite = "cluster"
+            return cmd_bench(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command in ("train-head", "tune", "mag"):
+            return run_cs_command(args)
+    except (ParamError, ConfigError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+def request_from_args(args, cfg):
+    """A validated GenerationRequest from CLI flags over the config's defaults."""
+    gen = cfg.generation
+    sampling = SamplingParams(
+        temperature=gen.temperature if args.temperature is None else args.temperature,
+        top_p=gen.top_p if args.top_p is None else args.top_p,
+        top_k=gen.top_k if args.top_k is None else args.top_k)
+    max_new = check_int("max_new_tokens", gen.max_new_tokens if args.max_new_tokens is None
+                        else args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    seed = None if args.seed is None else check_int("seed", args.seed, 0, 2**63 - 1)
+    options = {name: getattr(args, "opt_" + name) for name in all_options()
+               if getattr(args, "opt_" + name, None) is not None}
+    strategy = args.strategy or cfg.engine.strategy
+    if strategy not in REGISTRY:
+        raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), strategy)
+    declared = {o.name for o in REGISTRY[strategy].options}
+    for name in options:
+        if name not in declared:
+            raise ParamError(name, f"not an option of strategy {strategy} (its options: "
+                             f"{', '.join(sorted(declared)) or 'none'})", options[name])
+    for name, value in options.items():       # range-check before loading any model
+        all_options()[name].parse(value)
+    return GenerationRequest(prompt=args.prompt, max_new_tokens=max_new, sampling=sampling, seed=seed,
+                             stop=tuple(args.stop), strategy=strategy, options=options)
+
+
+def cmd_generate(args) -> int:
+    cfg = load_built_config(args.config)
+    if not args.prompt:
+        raise ParamError("prompt", "non-empty text", args.prompt)
+    req = request_from_args(args, cfg)
+    engine = build_engine(cfg)
+    result = engine.generate(req)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(args.prompt + result.text)
+        print(format_stats(result.stats), file=sys.stderr)
+    return 0
+
+
+def format_stats(s) -> str:
+    return (f"[{s.strategy}] {s.generated_tokens} tokens in {s.wall_s:.2f}s ({s.tokens_per_s:.1f} tok/s); "
+            f"target calls {s.target_forwards}, drafter calls {sum(s.drafter_forwards.values())}, "
+            f"accepted/step {s.mean_accepted:.2f}, acceptance {s.acceptance_rate:.2f}, "
+            f"accepted histogram {s.accepted_hist}")
+
+
+def cmd_zoo(args) -> int:
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.zoo_command == "build":
+        build_family(cache, seed=check_int("seed", args.seed, 0, 2**31 - 1), force=args.force, progress=True)
+        return 0
+    manifest = load_manifest(cache)
+    if manifest is None:
+        print(f"specserve: no model family built in {cache}; run `specserve zoo build`", file=sys.stderr)
+        return 1
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The README's main job: family (built if needed) -> held-out completions -> statistics."""
+    cfg = load_built_config(args.config)
+    n = check_int("prompts", args.prompts, 1, 64)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    engine = build_engine(cfg)
+    prompts = heldout_prompts(engine.tokenizer, n)
+    totals = {}
+    for strategy in ("autoregressive", cfg.engine.strategy):
+        agg = RequestStats(strategy=strategy)
+        for i, pr in enumerate(prompts):
+            res = engine.generate(GenerationRequest(prompt_ids=pr["prompt_ids"], max_new_tokens=max_new,
+                                                    sampling=cfg.generation.sampling(), seed=i,
+                                                    strategy=strategy))
+            agg.merge(res.stats)
+            if strategy != "autoregressive" and i < 2:
+                print(f"--- held-out prompt {i} ---\n{pr['prompt'][-200:]}\033[1m{res.text}\033[0m\n")
+        totals[strategy] = agg
+        print(format_stats(agg))
+    ar, sp = totals["autoregressive"], totals[cfg.engine.strategy]
+    if ar.tokens_per_s:
+        print(f"speedup of {cfg.engine.strategy} over autoregressive: {sp.tokens_per_s / ar.tokens_per_s:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The ``cluster:`` section of a config: how one serving unit is laid out on Ray, and its limits.
+
+A serving unit = a coordinator (the Serve replica running :class:`cluster.engine.Engine`), its
+drafters and its target group.  Serve replicas scale whole units (``replicas``).
+
+Topologies:
+  * ``default``   -- drafters run inside the coordinator process (small models: no RPC per draft
+    token), the target is its own actor (or tensor-parallel group of ``tp_size`` rank actors).
+  * ``separated`` -- every model is its own actor (drafters too); the fully distributed layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.errors import ConfigError
+
+TOPOLOGIES = ("default", "separated")
+
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+TRANSPORTS = ("direct", "ray")
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    """Ray resources of one actor (for a TP target: of each rank); ``threads`` = torch threads."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    threads: int = 1
+
+    def validate(self, path: str) -> None:
+        if self.num_cpus < 0:
+            raise ConfigError(f"{path}.num_cpus: must be >= 0, got {self.num_cpus}")
+        if self.num_gpus < 0:
+            raise ConfigError(f"{path}.num_gpus: must be >= 0, got {self.num_gpus}")
+        if self.threads < 1:
+            raise ConfigError(f"{path}.threads: must be >= 1, got {self.threads}")
+
+    def ray_options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    topology: str = "default"
+    tp_size: int = 1                  # target ranks (one placement group)
+    backend: str = "auto"             # torch.distributed backend for TP: auto = nccl on GPU, else gloo
+    transport: str = "direct"         # per-step calls: direct actor sockets, or Ray actor tasks
+    target: ActorResources = field(default_factory=ActorResources)        # per TP rank
+    drafters: ActorResources = field(default_factory=ActorResources)      # per drafter actor (separated)
+    coordinator: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=1.0))
+    actor_concurrency: int = 4        # concurrent calls a (non-TP) model actor serves
+    max_concurrent: int = 4           # requests decoding at once per unit
+    max_queue: int = 16               # requests waiting beyond those; then RESOURCE_EXHAUSTED
+    replicas: int = 1                 # serving units (Serve replicas)
+    app_name: str = "specserve"
+    grpc_port: int = 9000
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    warmup_tokens: int = 4            # tokens generated per strategy before health says SERVING
+    call_timeout_s: float = 300.0     # a model call that takes longer fails the request
+
+    def validate(self, path: str) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{path}.transport: one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name, low, high in (("tp_size", 1, 1024), ("actor_concurrency", 1, 1024),
+                                ("max_concurrent", 1, 4096), ("max_queue", 0, 1 << 20),
+                                ("replicas", 1, 1024), ("grpc_port", 1, 65535), ("http_port", 1, 65535),
+                                ("warmup_tokens", 0, 1024)):
+            v = getattr(self, name)
+            if not low <= v <= high:
+                raise ConfigError(f"{path}.{name}: must be in [{low}, {high}], got {v}")
+        if self.grpc_port == self.http_port:
+            raise ConfigError(f"{path}.grpc_port: must differ from http_port ({self.http_port})")
+        if self.call_timeout_s <= 0:
+            raise ConfigError(f"{path}.call_timeout_s: must be > 0, got {self.call_timeout_s}")
+        if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{path}.app_name: letters, digits, - and _ only, got {self.app_name!r}")
+        for name in ("target", "drafters", "coordinator"):
+            getattr(self, name).validate(f"{path}.{name}")
+        if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:
+            raise ConfigError(f"{path}.backend: nccl needs target.num_gpus >= 1 per rank, "
+                              f"got {self.target.num_gpus}")
+
+    @property
+    def capacity(self) -> int:
+        """Requests a unit admits at once (running + queued)."""
+        return self.max_concurrent + self.max_queue
+
+    def tp_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.target.num_gpus >= 1 else "gloo"

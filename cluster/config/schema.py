@@ -1,0 +1,220 @@
+"""YAML configuration parsed with ``yaml.safe_load`` into typed, validated dataclasses.
+
+Every error names the offending field by its dotted path (``models.target.tiny.layers``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.config.layout import ClusterSpec
+from cluster.core.sampling import SamplingParams
+from cluster.errors import ConfigError, ParamError
+from cluster.strategies import REGISTRY, all_options
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A random-initialised Llama built on the fly; ``truncate`` = first N layers of the target."""
+
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    seed: int = 0
+    max_position: int = 1024
+    truncate: int | None = None
+
+    def validate(self, path: str) -> None:
+        for name in ("hidden", "layers", "heads", "max_position"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"{path}.hidden: must be divisible by heads ({self.heads}), got {self.hidden}")
+        if self.truncate is not None and self.truncate < 1:
+            raise ConfigError(f"{path}.truncate: must be >= 1, got {self.truncate}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from: exactly one of ``zoo`` (embedded family), ``path`` (a local HF
+    checkpoint directory) or ``tiny``."""
+
+    zoo: str | None = None
+    path: str | None = None
+    tiny: TinySpec | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def validate(self, path: str) -> None:
+        given = [k for k in ("zoo", "path", "tiny") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"{path}: give exactly one of zoo, path, tiny (got {given or 'none'})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{path}.dtype: one of float32, bfloat16, float16, got {self.dtype!r}")
+        if self.tiny is not None:
+            self.tiny.validate(f"{path}.tiny")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    strategy: str = "speculative"
+    max_new_tokens_limit: int = 1024
+    options: dict[str, Any] = field(default_factory=dict)   # default strategy options
+
+    def validate(self, path: str) -> None:
+        if self.strategy not in REGISTRY:
+            raise ConfigError(f"{path}.strategy: one of {', '.join(sorted(REGISTRY))}, got {self.strategy!r}")
+        if self.max_new_tokens_limit < 1:
+            raise ConfigError(f"{path}.max_new_tokens_limit: must be >= 1, got {self.max_new_tokens_limit}")
+        known = all_options()
+        for key, value in self.options.items():
+            if key not in known:
+                raise ConfigError(f"{path}.options.{key}: unknown option (known: {', '.join(sorted(known))})")
+            try:
+                known[key].parse(value)
+            except ParamError as e:
+                raise ConfigError(f"{path}.options.{key}: {e}") from None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """Request defaults for the CLI and the bench."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def validate(self, path: str) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{path}.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        try:
+            self.sampling()
+        except ParamError as e:
+            raise ConfigError(f"{path}.{e.name}: {e}") from None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass(frozen=True)
+class MagSpec:
+    """The Max-Gram statistical drafter (paper 002, section 3.3), served as model ``name``.
+
+    ``bigram``: a table file from ``specserve mag build-bigram`` (default: built from the zoo's training
+    corpus and cached, see :func:`cluster.mag.default_bigram_path`).
+    """
+
+    name: str = "mag"
+    bigram: str | None = None
+    max_ngram: int = 24
+
+    def validate(self, path: str) -> None:
+        if self.max_ngram < 1:
+            raise ConfigError(f"{path}.max_ngram: must be >= 1, got {self.max_ngram}")
+
+
+@dataclass(frozen=True)
+class Config:
+    models: dict[str, ModelSpec]
+    target: str = "target"
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    generation: GenerationSpec = field(default_factory=GenerationSpec)
+    zoo_cache_dir: str | None = None
+    mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/cluster_config.py)
+    source: str = "<dict>"
+
+    def validate(self) -> None:
+        if self.target not in self.models:
+            raise ConfigError(f"target: {self.target!r} is not one of models ({', '.join(self.models)})")
+        for name, spec in self.models.items():
+            spec.validate(f"models.{name}")
+            if spec.tiny is not None and spec.tiny.truncate is not None and \
+                    (self.models[self.target].tiny is None or name == self.target):
+                raise ConfigError(f"models.{name}.tiny.truncate: needs a tiny target other than itself")
+        if self.mag is not None:
+            self.mag.validate("mag")
+            if self.mag.name in self.models:
+                raise ConfigError(f"mag.name: {self.mag.name!r} clashes with a model in models")
+        self.engine.validate("engine")
+        self.generation.validate("generation")
+        self.cluster.validate("cluster")
+        drafter = self.engine.options.get("drafter")
+        if drafter is not None and (drafter not in self.models or drafter == self.target):
+            raise ConfigError(f"engine.options.drafter: {drafter!r} is not a drafter in models")
+
+    @property
+    def drafters(self) -> list[str]:
+        return [n for n in self.models if n != self.target]
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return config_from_dict(data, source=str(p))
+
+
+def config_from_dict(data: Any, source: str = "<dict>") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    cfg = _build(Config, {**data, "source": source}, "")
+    cfg.validate()
+    return cfg
+
+
+def _build(cls, data: Any, path: str):
+    """Construct dataclass ``cls`` from a mapping, checking field names and types recursively."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - set(fields)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ConfigError(f"{_join(path, name)}: unknown field (allowed: {', '.join(fields)})")
+    kwargs = {k: _coerce(hints[k], v, _join(path, k)) for k, v in data.items()}
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{_join(path, missing[0])}: required field missing")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, path):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {str(k): (v if vt is Any else _coerce(vt, v, _join(path, str(k)))) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

@@ -1,0 +1,180 @@
+"""Cost theory of speculative decoding and CS Drafting (paper 002, section 4) and the standardized
+walltime improvement (SWI, paper 002, section 5.1).
+
+Units: time is measured in target forward passes; ``c`` is a drafter call's cost over a target
+forward pass; acceptance is i.i.d. with probability ``alpha`` (the EWIF assumption).  EWIF = expected
+tokens per step / expected time per step (the speedup over autoregressive decoding, which makes one
+token per target pass).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Mapping, Sequence
+
+
+# -- closed forms of the paper ----------------------------------------------------------------------
+def phi(alpha: float, k: int, x: float) -> float:
+    """PGF of the tokens one speculative step generates (Theorem 4.1, eq. 1 in the form of eq. 5):
+    phi_(alpha,k)(x) = x + (x - 1) sum_{i=1}^k alpha^i x^i."""
+    return x + (x - 1.0) * sum((alpha * x) ** i for i in range(1, k + 1))
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """phi'(1) = (1 - alpha^{k+1}) / (1 - alpha): expected tokens per step with k drafted tokens."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def ewif_speculative(alpha: float, k: int, c: float) -> float:
+    """Corollary 4.2: (1 - alpha^{k+1}) / ((1 - alpha)(c k + 1))."""
+    return expected_tokens(alpha, k) / (c * k + 1.0)
+
+
+def ewif_vertical(alpha: float, alpha_d: float, k: int, n: int, c1: float, c2: float) -> float:
+    """Theorem 4.3: the target reviews n steps of d1, each reviewing k tokens of d2:
+    (1 - alpha phi^n(alpha)) / ((1 - alpha)(1 + n c1 + n k c2)), phi = phi_(alpha(d1, d2), k);
+    alpha = alpha(target, d1), alpha_d = alpha(d1, d2)."""
+    f = phi(alpha_d, k, alpha) ** n
+    tokens = float(n * (k + 1) + 1) if alpha >= 1.0 else (1.0 - alpha * f) / (1.0 - alpha)
+    return tokens / (1.0 + n * c1 + n * k * c2)
+
+
+def ewif_horizontal(alphas: Sequence[float], costs: Sequence[float]) -> float:
+    """Theorem 4.5: draft token i made by model i (acceptance alpha_i, cost c_i):
+    sum_{i=0}^k prod_{j<=i} alpha_j / (1 + sum_i c_i)."""
+    num, prod = 1.0, 1.0
+    for a in alphas:
+        prod *= a
+        num += prod
+    return num / (1.0 + sum(costs))
+
+
+# -- any K-matrix ---------------------------------------------------------------------------------
+class CascadeModel:
+    """EWIF of a CS Drafting K-matrix (semantics of :mod:`cluster.strategies.cs_drafting`) under i.i.d.
+    acceptance, generalising Theorems 4.3 and 4.5 by the same generating-function argument.
+
+    ``alpha[r][j]``: probability that reviewer r (0 = target, r = drafter r) accepts a token handed up
+    by drafter j+1 (a token it proposed, or one it vouched for as a reviewer); ``cost[j]``: cost of one
+    call of drafter j+1 (a forward pass; for the last drafter one ``propose`` of a token if neural, one
+    call if statistical: set ``bottom_per_token``).
+
+    A draft is a sequence of *segments* (one bottom proposal, or one review step of a drafter) with
+    independent random lengths N; with a = alpha[r][j] and G_N the PGF of N, a segment multiplies the
+    running acceptance product P by G_N(a x) and adds P * (a x - a x G_N(a x)) / (1 - a x) to
+    S(x) = sum_i x^i prod_{j<=i} a_j; the reviewer then emits A + 1 tokens with PGF x + (x - 1) S(x).
+    """
+
+    def __init__(self, K, alpha, cost, bottom_per_token: bool = False):
+        self.K, self.alpha, self.cost, self.per_token = K, alpha, cost, bottom_per_token
+        self.n = len(K)
+
+    def _draft(self, r: int, x: float) -> float:
+        """S(x) of reviewer r's draft.  A bottom segment of b tokens adds P * sum_{t<=b} y^t and
+        multiplies P by y^b (y = a x); a review step of drafter m, whose own draft has S_m, emits N
+        tokens with PGF G(y) = y + (y - 1) S_m(y), adding P * E[sum_{t<=N} y^t] = P * y (1 + S_m(y))."""
+        S, P = 0.0, 1.0
+        for j in range(r, self.n):
+            b = self.K[r][j]
+            if b <= 0:
+                continue
+            y = self.alpha[r][j] * x
+            if j == self.n - 1:
+                S += P * sum(y ** t for t in range(1, b + 1))
+                P *= y ** b
+            else:
+                for _ in range(b):
+                    s = self._draft(j + 1, y)
+                    S += P * y * (1.0 + s)
+                    P *= y + (y - 1.0) * s
+        return S
+
+    def pgf(self, m: int, x: float) -> float:
+        """PGF of the tokens one review step of drafter m emits (accepted + 1)."""
+        return x + (x - 1.0) * self._draft(m, x)
+
+    def cost_of(self, r: int) -> float:
+        """Expected (here: deterministic) cost of building reviewer r's draft, in target passes."""
+        total = 0.0
+        for j in range(r, self.n):
+            b = self.K[r][j]
+            if b <= 0:
+                continue
+            if j == self.n - 1:
+                total += self.cost[j] * (b if self.per_token else 1)
+            else:
+                total += b * (self.cost[j] + self.cost_of(j + 1))
+        return total
+
+    def tokens_per_step(self) -> float:
+        return 1.0 + self._draft(0, 1.0)
+
+    def ewif(self) -> float:
+        return self.tokens_per_step() / (1.0 + self.cost_of(0))
+
+
+def ewif_cascade(K, alpha, cost, bottom_per_token: bool = False) -> float:
+    return CascadeModel(K, alpha, cost, bottom_per_token).ewif()
+
+
+# -- standardized walltime improvement --------------------------------------------------------------
+def model_costs(models: Mapping[str, object], latencies: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Cost of one call per model: the user's measured latencies where given, else parameter counts."""
+    latencies = latencies or {}
+    return {n: float(latencies.get(n, getattr(m, "num_params", 0))) for n, m in models.items()}
+
+
+def swi(stats, costs: Mapping[str, float], target: str = "target") -> float:
+    """Standardized walltime improvement (paper 002, section 5.1): with each forward pass of a model
+    costing ``costs[model]``, the speedup over autoregressive decoding (one target pass per token):
+    tokens * c_target / (target passes * c_target + sum_d drafter calls_d * c_d)."""
+    ct = costs[target]
+    spent = stats.target_forwards * ct + sum(n * costs.get(d, 0.0) for d, n in stats.drafter_forwards.items())
+    return stats.generated_tokens * ct / spent if spent > 0 else 0.0
+
+
+def kmatrix_grid(n: int):
+    """Candidate K-matrices for n drafters (neural drafters review, the last is MaG)."""
+    if n == 1:
+        for k in range(1, 13):
+            yield ((k,),)
+        return
+    diag = range(1, 5)
+    tail = (0, 1, 2, 4, 6)
+    bottom = (1, 2, 3, 4, 6, 8, 10)
+    if n == 2:
+        for a, b, c in itertools.product(diag, tail, bottom):
+            yield ((a, b), (0, c))
+        return
+    if n == 3:
+        for a, b, c, d, e, f in itertools.product((1, 2, 3), (0, 1, 2), (0, 2, 4), (1, 2, 3), (0, 2, 4),
+                                                  (1, 2, 4, 6, 8)):
+            yield ((a, b, c), (0, d, e), (0, 0, f))
+        return
+    raise ValueError("kmatrix_grid: at most 3 drafters")
+
+
+def predict_cascade(K, names, target, alphas, costs, mags=("mag",)) -> float:
+    """EWIF of CS Drafting with drafters ``names`` and K-matrix ``K`` from measured alphas/costs
+    (a bottom MaG costs one call per proposal, a neural bottom one pass per token)."""
+    n = len(names)
+    models = [target, *names]
+    A = [[alphas[(models[r], names[j])] if j >= r else 0.0 for j in range(n)] for r in range(n)]
+    c = [costs[d] / costs[target] for d in names]
+    return ewif_cascade(K, A, c, bottom_per_token=names[-1] not in mags)
+
+
+def ranked_cascades(names, target, alphas, costs, mags=("mag",)):
+    """[(K, predicted EWIF)] over :func:`kmatrix_grid`, best first."""
+    return sorted(((K, predict_cascade(K, names, target, alphas, costs, mags)) for K in kmatrix_grid(len(names))),
+                  key=lambda t: -t[1])
+
+
+def best_k(drafter, target, alphas, costs, k_max: int = 12):
+    """(k, predicted EWIF) for plain speculative decoding with ``drafter`` (Corollary 4.2)."""
+    c = costs[drafter] / costs[target]
+    return max(((k, ewif_speculative(alphas[(target, drafter)], k, c)) for k in range(1, k_max + 1)),
+               key=lambda t: t[1])
+
+
+def format_kmatrix(K) -> str:
+    return ";".join(",".join(str(v) for v in row) for row in K)

@@ -1,0 +1,129 @@
+"""The Max-Gram (MaG) drafter: a statistical language model that costs (almost) nothing to run.
+
+Paper 002 (Chen et al., *Cascade Speculative Drafting*), section 3.3 and appendix A: find the longest
+suffix of the current sequence (prompt + generated) that occurred earlier in it and copy the tokens
+that followed that occurrence; where that yields fewer than k tokens, continue greedily from a bigram
+table (each token's most frequent successor in a corpus).
+
+Unlike the paper's listing (a rescan of the whole sequence per call), :class:`MaxGramIndex` keeps an
+incremental index: a dict from every n-gram (n <= ``max_ngram``) to the end positions where it
+occurs, updated per appended token in O(max_ngram) and undone per removed token on rollback.  The
+longest earlier match is then a binary search over n (if a suffix of length n occurred earlier, so did
+its suffix of length n - 1), so a proposal costs O(log(max_ngram) * max_ngram + k * max_ngram)
+independent of the context length.  Among several earlier occurrences of the longest suffix, the
+*most recent* one is copied (the paper's listing takes the first; recent context predicts better).
+
+:class:`MagHandle` exposes MaG through the :class:`cluster.model.ModelHandle` interface, so a
+strategy treats it like any drafter: its proposals come with one-hot "distributions" (logits 0 for
+the proposed token, -inf elsewhere), so verification against it is exact speculative sampling with a
+deterministic drafter (accept x w.p. min(1, p(x)), recover from norm(max(0, p - onehot(x)))).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+DEFAULT_MAX_NGRAM = 24
+
+
+# -- the incremental index ----------------------------------------------------------------------
+class MaxGramIndex:
+    """Token sequence plus an index of n-gram -> end positions (ascending), n <= ``max_ngram``.
+
+    Invariant: the index holds exactly the n-grams ending at positions ``<= len(seq) - 2``, so any hit
+    for a suffix of the sequence is an *earlier* occurrence (never the suffix itself).
+    """
+
+    def __init__(self, ids: Sequence[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self.seq: list[int] = []
+        self.table: dict[tuple[int, ...], list[int]] = {}
+        self.extend(ids)
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def _index_end(self, e: int) -> None:
+        seq, table = self.seq, self.table
+        for n in range(1, min(self.max_ngram, e + 1) + 1):
+            key = tuple(seq[e - n + 1:e + 1])
+            hit = table.get(key)
+            if hit is None:
+                table[key] = [e]
+            else:
+                hit.append(e)
+
+    def _unindex_end(self, e: int) -> None:
+        seq, table = self.seq, self.table
+        for n in range(1, min(self.max_ngram, e + 1) + 1):
+            key = tuple(seq[e - n + 1:e + 1])
+            hit = table[key]
+            hit.pop()                               # e is the largest indexed end: the list's last
+            if not hit:
+                del table[key]
+
+    def append(self, tok: int) -> None:
+        self.seq.append(int(tok))
+        if len(self.seq) >= 2:
+            self._index_end(len(self.seq) - 2)
+
+    def extend(self, ids: Iterable[int]) -> None:
+        for t in ids:
+            self.append(t)
+
+    def truncate(self, length: int) -> None:
+        """Drop tokens from position ``length`` on (undoing their index entries)."""
+        length = max(0, length)
+        while len(self.seq) > length:
+            if len(self.seq) >= 2:
+                self._unindex_end(len(self.seq) - 2)
+            self.seq.pop()
+
+    def longest_match(self) -> tuple[int, int]:
+        """(n, e): the longest suffix length n that also ends at an earlier position, and the latest
+        such end position e (``<= len - 2``); (0, -1) when even the last token never occurred before."""
+        seq, table = self.seq, self.table
+        N = len(seq)
+        lo, hi, best = 1, min(self.max_ngram, N - 1), (0, -1)
+        while lo <= hi:                              # monotone: a match of n implies one of n - 1
+            mid = (lo + hi) // 2
+            hit = table.get(tuple(seq[N - mid:]))
+            if hit is None:
+                hi = mid - 1
+            else:
+                best, lo = (mid, hit[-1]), mid + 1
+        return best
+
+    def predict(self, k: int, bigram: np.ndarray | None) -> list[int]:
+        """k draft tokens: copy what followed the longest earlier match, then bigram continuation."""
+        if k <= 0 or not self.seq:
+            return []
+        n, e = self.longest_match()
+        out = self.seq[e + 1:e + 1 + k] if n > 0 else []
+        last = out[-1] if out else self.seq[-1]
+        while len(out) < k:
+            last = int(bigram[last]) if bigram is not None and 0 <= last < len(bigram) else last
+            out.append(last)
+        return out
+
+
+def brute_force_predict(seq: Sequence[int], k: int, bigram: np.ndarray | None,
+                        max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
+    """Reference implementation of :meth:`MaxGramIndex.predict` by rescanning (for the tests)."""
+    seq = list(seq)
+    N = len(seq)
+    if k <= 0 or N == 0:
+        return []
+    out: list[int] = []
+    for n in range(min(max_ngram, N - 1), 0, -1):
+        ends = [e for e in range(n - 1, N - 1) if seq[e - n + 1:e + 1] == seq[N - n:]]
+        if ends:
+            e = ends[-1]
+            out = seq[e + 1:e + 1 + k]
+            break
+    last = out[-1] if out else seq[-1]
+    while len(out) < k:
+        last = int(bigram[last]) if bigram is not None and 0 <= last < len(bigram) else last
+        out.append(last)
+    return out

@@ -1,0 +1,53 @@
+"""request: moved from cluster.engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.core.sampling import SamplingParams
+from cluster.core.stats import RequestStats
+
+MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 64
+
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. Give ``prompt`` text or ``prompt_ids``; ``options`` are the strategy's."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    strategy: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class StreamChunk:
+    """Tokens (and the text they complete) emitted by one step; the last chunk has a finish reason."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    result: "GenerationResult | None" = None   # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str                 # "length" | "eos" | "stop"
+    stats: RequestStats
+    seed: int
+    request_id: str
+
+    def to_dict(self) -> dict:
+        return dict(token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
+                    seed=self.seed, request_id=self.request_id, stats=self.stats.to_dict())

@@ -1,0 +1,324 @@
+"""The embedded model family ("zoo"): a target LM and its drafters, built locally.
+
+The serving system needs a *family* of causal LMs that share a tokenizer: one
+expensive ``target`` and cheaper drafters whose greedy predictions often agree
+with it.  Nothing can be downloaded, so :func:`build_zoo` makes one from
+scratch, on CPU, in a few minutes, from the Python standard library's source
+(:mod:`cluster.corpus`):
+
+1. train a byte-level BPE tokenizer (``tokenizers``) on the train split;
+   ``<|endoftext|>`` is BOS, EOS, PAD and the document separator;
+2. train ``target`` (a deep, narrow ``LlamaForCausalLM``) with cross-entropy;
+3. distil ``drafter-large`` and ``drafter-small`` from the trained target
+   (KL to the target's soft labels mixed with a little CE, one shared target
+   forward per batch).  ``drafter-large`` shares the target's width and starts
+   from a copy of the target's embeddings, first/last blocks, final norm and
+   head ("layer-dropped" initialisation);
+4. evaluate every model on the held-out files: loss (nats/token), next-token
+   accuracy, and *greedy agreement* with the target (fraction of held-out
+   positions where ``argmax drafter == argmax target``, teacher-forced), and
+   measure the batch-1 single-token forward latency with a KV cache;
+5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
+   write ``manifest.json``.
+
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v1`` or
+``~/.cache/specserve/zoo-v1``)::
+
+    cache_dir/
+      manifest.json           # written last; its presence marks a complete build
+      tokenizer/              # the shared tokenizer (save_pretrained)
+      target/                 # config.json, generation_config.json,
+      drafter-large/          # model.safetensors, tokenizer files
+      drafter-small/
+
+The build happens in a sibling temp directory that is renamed into place only
+when complete, under a file lock, so an interrupted or concurrent build never
+looks complete.  With ``force=False`` an existing, matching build is returned
+as is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import cluster.family.corpus as corpus
+from cluster.config.paths import ZOO_VERSION, default_cache_dir
+from cluster.family.cache import _build_lock, load_manifest
+from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
+from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
+from cluster.family.presets import EOT, ModelSpec, ZooConfig
+from cluster.family.tokenizer import _encode_stream, train_tokenizer
+from cluster.family.train import _distill, _init_from_target, _make_model, _train_target
+
+__all__ = [
+    "ZOO_VERSION",
+    "MODEL_NAMES",
+    "ModelSpec",
+    "ZooConfig",
+    "PRESETS",
+    "default_cache_dir",
+    "load_manifest",
+    "zoo_is_built",
+    "build_zoo",
+    "model_entry",
+    "format_summary",
+    "measure_latency",
+]
+
+
+PRESETS: dict[str, ZooConfig] = {
+    # ~7 min on 2 idle CPU cores.
+    "full": ZooConfig(
+        preset="full",
+        vocab_size=4096,
+        seq_len=256,
+        target=ModelSpec("target", hidden=192, layers=6, intermediate=512, heads=6, kv_heads=6),
+        drafters=(
+            ModelSpec("drafter-large", hidden=192, layers=2, intermediate=512, heads=6, kv_heads=6, init_from_target=True),
+            ModelSpec("drafter-small", hidden=64, layers=1, intermediate=192, heads=2, kv_heads=2),
+        ),
+        # at this scale progress is limited by the number of optimizer steps more
+        # than by tokens per step, so batches are small (4 x 256 tokens).
+        target_steps=800,
+        target_batch=4,
+        target_lr=2e-3,
+        distill_steps=600,
+        distill_batch=4,
+        distill_lr=2e-3,
+    ),
+    # seconds; for tests and smoke runs only (models are essentially untrained).
+    "tiny": ZooConfig(
+        preset="tiny",
+        vocab_size=300,
+        seq_len=32,
+        target=ModelSpec("target", hidden=64, layers=4, intermediate=128, heads=2, kv_heads=2),
+        drafters=(
+            ModelSpec("drafter-large", hidden=64, layers=1, intermediate=128, heads=2, kv_heads=2, init_from_target=True),
+            ModelSpec("drafter-small", hidden=16, layers=1, intermediate=32, heads=1, kv_heads=1),
+        ),
+        target_steps=4,
+        target_batch=4,
+        target_lr=3e-3,
+        distill_steps=3,
+        distill_batch=4,
+        distill_lr=3e-3,
+        max_train_chars=100_000,
+        eval_max_tokens=512,
+        eval_batch=4,
+        latency_rounds=1,
+        latency_iters=3,
+        latency_warmup=1,
+        latency_prompt=4,
+        max_position_embeddings=128,
+    ),
+}
+
+
+def _resolve_config(preset: str | ZooConfig) -> ZooConfig:
+    if isinstance(preset, ZooConfig):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown zoo preset {preset!r}; choose from {sorted(PRESETS)}") from None
+
+
+def build_zoo(
+    cache_dir: Path | str | None = None,
+    *,
+    seed: int = 0,
+    force: bool = False,
+    progress: bool = True,
+    preset: str | ZooConfig = "full",
+    threads: int = 2,
+) -> dict:
+    """Build (or return the cached) model family in ``cache_dir``; returns the manifest.
+
+    ``cache_dir`` defaults to :func:`default_cache_dir`.  If a complete build
+    with the same configuration and seed is there and ``force`` is false, its
+    manifest is returned without rebuilding.  ``preset`` is ``"full"`` (the
+    real family, a few minutes on 2 CPU cores), ``"tiny"`` (seconds; for tests)
+    or a :class:`ZooConfig`.  Prints a summary table when it builds.
+    """
+    cfg = _resolve_config(preset)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    fp = cfg.fingerprint(seed)
+    with _build_lock(cache_dir):
+        manifest = load_manifest(cache_dir)
+        if manifest is not None and not force and manifest.get("fingerprint") == fp:
+            return manifest
+        for stale in cache_dir.parent.glob(f".{cache_dir.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by interrupted builds (we hold the lock)
+        tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{os.getpid()}"
+        try:
+            with _torch_threads(threads):
+                _build_into(tmp, cfg, seed, fp, progress, threads)
+            if cache_dir.exists():
+                old = cache_dir.parent / f".{cache_dir.name}.tmp-old-{os.getpid()}"
+                os.replace(cache_dir, old)
+                os.replace(tmp, cache_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, cache_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        manifest = load_manifest(cache_dir)
+        if manifest is None:  # pragma: no cover - would be a bug in _build_into
+            raise RuntimeError(f"zoo build in {cache_dir} produced no valid manifest")
+    print(format_summary(manifest), flush=True)
+    return manifest
+
+
+def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress: bool, threads: int) -> None:
+
+    t_start = time.perf_counter()
+    out.mkdir(parents=True)
+    torch.manual_seed(seed)
+
+    # ---- corpus + tokenizer
+    files = corpus.stdlib_files()
+    train_files, held_files = corpus.split_files(files)
+    train_texts = list(corpus.iter_texts(train_files))
+    if cfg.max_train_chars is not None:
+        kept, total = [], 0
+        for t in train_texts:
+            if total >= cfg.max_train_chars:
+                break
+            kept.append(t[: cfg.max_train_chars - total])
+            total += len(kept[-1])
+        train_texts = kept
+    held_texts = list(corpus.iter_texts(held_files))
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(train_texts, cfg.vocab_size, progress)
+    tok_secs = time.perf_counter() - t0
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    tokenizer.save_pretrained(out / "tokenizer")
+    train_stream = _encode_stream(tokenizer, train_texts, progress, "encode train")
+    held_stream = _encode_stream(tokenizer, held_texts, progress, "encode held-out")
+    if len(train_stream) <= cfg.seq_len + 1 or len(held_stream) <= cfg.seq_len + 1:
+        raise RuntimeError("corpus too small for the configured sequence length")
+
+    # ---- models
+    target = _make_model(cfg.target, cfg, eot_id, seed)
+    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads)}
+    drafters = {}
+    init_info = {}
+    for k, spec in enumerate(cfg.drafters):
+        d = _make_model(spec, cfg, eot_id, seed + 100 + k)
+        if spec.init_from_target:
+            if spec.hidden != cfg.target.hidden:
+                raise ValueError(f"{spec.name}: init_from_target needs hidden == target hidden")
+            init_info[spec.name] = {"copied_target_layers": _init_from_target(d, target)}
+        drafters[spec.name] = d
+    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads))
+    models = {"target": target, **drafters}
+    specs = {"target": cfg.target, **{s.name: s for s in cfg.drafters}}
+
+    params = {n: _n_params(m) for n, m in models.items()}
+    ratio = params["target"] / min(params[n] for n in drafters)
+    if ratio < cfg.min_param_ratio:
+        raise RuntimeError(f"target/smallest-drafter parameter ratio {ratio:.1f} < {cfg.min_param_ratio}")
+
+    # ---- evaluation
+    t0 = time.perf_counter()
+    metrics = evaluate(models, held_stream, cfg, progress, max_threads=threads)
+    eval_secs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    thread_counts = sorted({threads, 1}, reverse=True)
+    latency_by_threads = {}
+    with _bar(progress, total=len(thread_counts), desc="latency", unit="setting") as bar:
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            latency_by_threads[n] = measure_latency(
+                models,
+                rounds=cfg.latency_rounds,
+                iters=cfg.latency_iters,
+                warmup=cfg.latency_warmup,
+                prompt_len=cfg.latency_prompt,
+            )
+            bar.update(1)
+    torch.set_num_threads(threads)
+    latency = latency_by_threads[threads]
+    lat_secs = time.perf_counter() - t0
+
+    # ---- save
+    entries = []
+    for name, m in models.items():
+        d = out / name
+        with _quiet_transformers():
+            m.save_pretrained(d, safe_serialization=True)
+        tokenizer.save_pretrained(d)
+        spec = specs[name]
+        entries.append(
+            {
+                "name": name,
+                "role": "target" if name == "target" else "drafter",
+                "dir": name,
+                "architecture": "LlamaForCausalLM",
+                "params": params[name],
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "intermediate": spec.intermediate,
+                "heads": spec.heads,
+                "kv_heads": spec.kv_heads,
+                "heldout_loss": round(metrics[name]["loss"], 4),
+                "top1_acc": round(metrics[name]["top1_acc"], 4),
+                "agreement": round(metrics[name]["agreement"], 4),
+                "latency_ms": round(latency[name], 3),
+                "training": {**train_info[name], **init_info.get(name, {})},
+            }
+        )
+    manifest = {
+        "zoo_version": ZOO_VERSION,
+        "preset": cfg.preset,
+        "fingerprint": fingerprint,
+        "seed": seed,
+        "created_unix": time.time(),
+        "build_seconds": round(time.perf_counter() - t_start, 1),
+        "phase_seconds": {
+            "tokenizer": round(tok_secs, 1),
+            **{f"train:{n}": i["train_seconds"] for n, i in train_info.items()},
+            "evaluate": round(eval_secs, 1),
+            "latency": round(lat_secs, 1),
+        },
+        "threads": threads,
+        "versions": _versions(),
+        "tokenizer": {
+            "dir": "tokenizer",
+            "type": "byte-level BPE",
+            "vocab_size": len(tokenizer),
+            "bos_token_id": eot_id,
+            "eos_token_id": eot_id,
+            "pad_token_id": eot_id,
+            "special_tokens": [EOT],
+            "adds_special_tokens": False,
+        },
+        "corpus": {
+            "source": "python stdlib",
+            "stdlib": str(corpus.stdlib_root()),
+            "train_files": len(train_files),
+            "heldout_files": len(held_files),
+            "train_tokens": int(len(train_stream)),
+            "heldout_tokens": int(len(held_stream)),
+            "eval_tokens": metrics["target"]["eval_tokens"],
+        },
+        "seq_len": cfg.seq_len,
+        "param_ratio_target_to_smallest_drafter": round(ratio, 2),
+        "agreement": {n: round(metrics[n]["agreement"], 4) for n in drafters},
+        "agreement_definition": "fraction of teacher-forced held-out positions where argmax(drafter) == argmax(target)",
+        "latency_definition": "median ms of one batch-1 single-token forward with KV cache, after warm-up",
+        "latency_ms": {n: round(v, 3) for n, v in latency.items()},
+        "latency_ms_by_threads": {
+            str(k): {n: round(v, 3) for n, v in lat.items()} for k, lat in latency_by_threads.items()
+        },
+        "config": dataclasses.asdict(cfg),
+        "models": entries,
+    }
+    # manifest last: its presence marks the build complete
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

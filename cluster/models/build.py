@@ -1,0 +1,105 @@
+"""THE one builder: a config's model spec -> a model handle (and the shared tokenizer).
+
+Used by every runtime: :mod:`cluster.local` (in-process), the Ray actors (:mod:`actors.model_actor`,
+:mod:`actors.tp`, :mod:`actors.mag_actor`) and the serving unit (:mod:`cluster.serving.unit`).  It only
+loads: a missing family or bigram table is a clear :class:`ConfigError` (entry points build them first
+with :func:`cluster.family.ensure_built`).
+
+With ``tp_size > 1`` the checkpoint is loaded through transformers' own tensor-parallel plan
+(``DistributedConfig(tp_size=N)`` = the model's ``base_model_tp_plan``, e.g. Llama's colwise q/k/v/
+gate/up and rowwise o/down projections, ``lm_head`` gathered); ``torch.distributed`` must already be
+initialised by the caller (:mod:`actors.tp`).  Tiny models are built from their seed; for TP they are
+saved to a temporary directory first, so the TP path is the same checkpoint path a real model takes.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cluster.config.paths import HEAD_DIR, default_bigram_path, zoo_dir
+from cluster.config.schema import Config, ModelSpec
+from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.errors import ConfigError
+from cluster.models.hf import HFWorker
+from cluster.models.maxgram import MagHandle, load_bigram
+from cluster.models.tiny import tiny_llama, truncated
+from cluster.models.tokenizer import ByteTokenizer, HFTokenizer
+
+
+def model_path(cfg: Config, spec: ModelSpec) -> Path | None:
+    """The local checkpoint directory of a ``zoo`` or ``path`` model (None for ``tiny``)."""
+    if spec.zoo is not None:
+        path = zoo_dir(cfg) / spec.zoo
+    elif spec.path is not None:
+        path = Path(spec.path).expanduser()
+    else:
+        return None
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model directory {path} has no config.json (not a Hugging Face checkpoint)")
+    return path
+
+
+def load_tokenizer(cfg: Config) -> Tokenizer:
+    path = model_path(cfg, cfg.models[cfg.target])
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+def _tiny_model(cfg: Config, name: str):
+    """A tiny seeded model; a ``truncate`` drafter is the (same-seed) target's first layers."""
+    spec = cfg.models[name].tiny
+    if spec.truncate is None:
+        return tiny_llama(hidden=spec.hidden, layers=spec.layers, heads=spec.heads, seed=spec.seed,
+                          max_position=spec.max_position)
+    return truncated(_tiny_model(cfg, cfg.target), spec.truncate)
+
+
+def checkpoint_dir(cfg: Config, name: str) -> Path:
+    """A local HF checkpoint directory for model ``name`` (tiny models are saved to a temp dir)."""
+    spec = cfg.models[name]
+    if spec.tiny is None:
+        return model_path(cfg, spec)
+    out = Path(tempfile.mkdtemp(prefix=f"specserve-{name}-"))
+    _tiny_model(cfg, name).save_pretrained(out)
+    return out
+
+
+def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | None = None) -> ModelHandle:
+    """The handle for model ``name`` of ``cfg``: an :class:`HFWorker` (sharded over the current process
+    group when ``tp_size > 1``), or the Max-Gram drafter for the ``mag:`` section's name (it needs the
+    target's ``vocab_size``)."""
+    if cfg.mag is not None and name == cfg.mag.name:
+        path = default_bigram_path(cfg)
+        if not path.is_file():
+            raise ConfigError(f"mag: no bigram table at {path}: run `specserve mag build-bigram`")
+        return MagHandle(vocab_size, load_bigram(path), name=name, max_ngram=cfg.mag.max_ngram)
+    spec = cfg.models[name]
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig  # only where TP is used
+        return HFWorker.from_pretrained(checkpoint_dir(cfg, name), name, dtype=spec.dtype, device=spec.device,
+                                        distributed_config=DistributedConfig(tp_size=tp_size))
+    if spec.tiny is not None:
+        return HFWorker(_tiny_model(cfg, name).to(getattr(torch, spec.dtype)), name)
+    worker = HFWorker.from_pretrained(model_path(cfg, spec), name, dtype=spec.dtype, device=spec.device)
+    if spec.zoo is not None:                     # the family's SpecDec++ acceptance head, when built
+        head = zoo_dir(cfg) / HEAD_DIR / spec.zoo
+        if (head / "head.json").is_file():
+            worker.specdec_head = str(head)
+    return worker
+
+
+def build_handles(cfg: Config, names: list[str] | None = None) -> dict[str, ModelHandle]:
+    """Handles for ``names`` (default: the target, every drafter and the Max-Gram drafter), target first."""
+    if names is None:
+        names = [cfg.target] + cfg.drafters + ([cfg.mag.name] if cfg.mag is not None else [])
+    handles: dict[str, ModelHandle] = {}
+    for name in names:
+        if name != (cfg.mag.name if cfg.mag is not None else None):
+            handles[name] = build_handle(cfg, name)
+    vocab = {n: h.vocab_size for n, h in handles.items()}
+    if len(set(vocab.values())) > 1:
+        raise ConfigError(f"models: all models must share one vocabulary, got sizes {vocab}")
+    if cfg.mag is not None and cfg.mag.name in names:
+        handles[cfg.mag.name] = build_handle(cfg, cfg.mag.name, vocab_size=next(iter(vocab.values())))
+    return handles

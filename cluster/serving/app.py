@@ -1,0 +1,216 @@
+"""app: moved from cluster.serve_app."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import grpc
+
+from cluster.config.schema import Config, load_config
+from cluster.engine.request import GenerationRequest, GenerationResult
+from cluster.errors import OverloadedError, ParamError
+from cluster.serving.coordinator import Coordinator
+from cluster.serving.grpc_api import (
+    SERVICE,
+    SERVICER_FUNCTIONS,
+    log,
+    request_from_proto,
+    result_to_proto,
+    server_info,
+)
+from cluster.serving.http_api import _oai_error, _openai_finish, request_from_openai
+from cluster.serving.metrics import make_metrics
+from protos import specserve_pb2 as pb
+
+
+# -- the deployment --------------------------------------------------------------------------------
+class _Abort(Exception):
+    """Carries a sanitized message to Serve after the gRPC status was set on the context."""
+
+
+class SpecServeDeployment:
+    """A Serve replica: one coordinator (one serving unit). Decorated with ``serve.deployment`` in
+    :func:`build_app`."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.coord = Coordinator(cfg, metrics=make_metrics())
+        self._warm = threading.Thread(target=self._warmup, name="specserve-warmup", daemon=True)
+        self._warm.start()
+
+    def _warmup(self) -> None:
+        try:
+            self.coord.warmup()
+        except Exception:
+            log.exception("warm-up failed")
+
+    # Serve's replica health check: every actor of the unit must answer
+    def check_health(self) -> None:
+        self.coord.health()
+
+    # -- gRPC ---------------------------------------------------------------------------------------
+    def _fail(self, ctx, exc: BaseException, strategy: str | None):
+        if isinstance(exc, ParamError):
+            code, msg, outcome = grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
+        elif isinstance(exc, OverloadedError):
+            code, msg, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded"
+        else:
+            log.error("internal error", exc_info=exc)
+            code, msg, outcome = grpc.StatusCode.INTERNAL, "internal error (details in the server log)", "error"
+        if outcome != "error" and self.coord.metrics is not None:
+            self.coord.metrics.record(strategy or self.cfg.engine.strategy, outcome)
+        if ctx is not None:
+            ctx.set_code(code)
+            ctx.set_details(msg)
+        raise _Abort(msg) from None
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        try:
+            req = request_from_proto(request, self.cfg)
+            return result_to_proto(await self.coord.generate(req))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                     # noqa: BLE001 - mapped to a status code
+            self._fail(grpc_context, e, request.strategy)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        try:
+            req = request_from_proto(request, self.cfg)
+            async for chunk in self.coord.stream(req):
+                yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
+                                       finish_reason=chunk.finish_reason or "",
+                                       result=result_to_proto(chunk.result) if chunk.result else None)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:                     # noqa: BLE001
+            self._fail(grpc_context, e, request.strategy)
+
+    async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context=None) -> pb.ServerInfoResponse:
+        return await asyncio.to_thread(server_info, self.coord)
+
+    async def Check(self, request, grpc_context=None):
+        from grpc_health.v1 import health_pb2
+        if request.service not in ("", SERVICE):
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service!r} (known: '', {SERVICE})")
+            raise _Abort("unknown service")
+        status = health_pb2.HealthCheckResponse.SERVING if self.coord.ready else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, grpc_context=None):
+        """Health status now, then whenever it changes (until the client cancels)."""
+        from grpc_health.v1 import health_pb2
+        last = None
+        while True:
+            status = health_pb2.HealthCheckResponse.SERVING if self.coord.ready else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(1.0)
+
+    # -- HTTP (OpenAI completions) ------------------------------------------------------------------
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+        path = request.url.path.rstrip("/")
+        if path.endswith("/health"):
+            return JSONResponse({"ready": self.coord.ready}, status_code=200 if self.coord.ready else 503)
+        if path.endswith("/v1/models"):
+            return JSONResponse({"object": "list", "data": [{"id": self.cfg.cluster.app_name, "object": "model",
+                                                             "owned_by": "specserve"}]})
+        if not path.endswith("/v1/completions"):
+            return JSONResponse(_oai_error(f"no route {path}", "not_found"), status_code=404)
+        if request.method != "POST":
+            return JSONResponse(_oai_error("use POST", "invalid_request_error"), status_code=405)
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                raise ParamError("body", "a JSON object", "invalid JSON") from None
+            req, stream = request_from_openai(body, self.cfg)
+            req = self.coord.validate(req)             # fixes request id and seed for every chunk
+            if stream:
+                return await self._sse(req)
+            r = await self.coord.generate(req)
+            return JSONResponse(self._completion(r, r.text, r.finish_reason, usage=True))
+        except asyncio.CancelledError:
+            raise
+        except ParamError as e:
+            return JSONResponse(_oai_error(str(e), "invalid_request_error", e.name), status_code=400)
+        except OverloadedError as e:
+            return JSONResponse(_oai_error(str(e), "server_overloaded"), status_code=429)
+        except Exception:                          # noqa: BLE001
+            log.exception("internal error")
+            return JSONResponse(_oai_error("internal error (details in the server log)", "internal_error"),
+                                status_code=500)
+
+    async def _sse(self, req: GenerationRequest):
+        from starlette.responses import StreamingResponse
+        gen = self.coord.stream(req)
+        first = await gen.__anext__()              # validation / overload errors surface as HTTP codes
+
+        async def events():
+            try:
+                chunk = first
+                while True:
+                    if chunk.text or chunk.finish_reason:
+                        payload = self._completion(chunk.result, chunk.text, chunk.finish_reason,
+                                                   usage=chunk.result is not None, rid=req.request_id)
+                        yield f"data: {json.dumps(payload)}\n\n"
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await gen.__anext__()
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _completion(self, r: GenerationResult | None, text: str, finish: str | None, *, usage: bool,
+                    rid: str | None = None) -> dict:
+        out = {"id": "cmpl-" + (r.request_id if r else rid or ""), "object": "text_completion",
+               "created": int(time.time()), "model": self.cfg.cluster.app_name,
+               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": _openai_finish(finish)}]}
+        if usage and r is not None:
+            out["usage"] = {"prompt_tokens": r.stats.prompt_tokens, "completion_tokens": r.stats.generated_tokens,
+                            "total_tokens": r.stats.prompt_tokens + r.stats.generated_tokens}
+            out["specserve"] = {"token_ids": r.token_ids, "seed": r.seed, "finish_reason": r.finish_reason,
+                                "stats": r.stats.to_dict()}
+        return out
+
+
+# -- deploying -------------------------------------------------------------------------------------
+def build_app(cfg: Config):
+    """The bound Serve application for ``cfg`` (one deployment; replicas = serving units)."""
+    from ray import serve
+    cl = cfg.cluster
+    dep = serve.deployment(SpecServeDeployment, name="SpecServe").options(
+        num_replicas=cl.replicas,
+        ray_actor_options={"num_cpus": cl.coordinator.num_cpus, "num_gpus": cl.coordinator.num_gpus},
+        max_ongoing_requests=cl.capacity + 32,     # headroom beyond admission for ServerInfo / health
+        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+    return dep.bind(cfg)
+
+
+def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = False, num_cpus: int | None = None):
+    """Start (or join) Ray, start Serve's HTTP and gRPC proxies on the configured ports, deploy."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+    cl = cfg.cluster
+    if not ray.is_initialized():
+        kw = {"address": address} if address else {"num_cpus": num_cpus}
+        ray.init(namespace="specserve", include_dashboard=False, **kw)
+    serve.start(http_options={"host": cl.http_host, "port": cl.http_port},
+                grpc_options=gRPCOptions(port=cl.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS))
+    return serve.run(build_app(cfg), name=cl.app_name, route_prefix="/", blocking=blocking)
+
+
+def app_builder(args: dict):
+    """Serve application builder (``import_path: cluster.serve_app:app_builder``, ``args: {config: PATH}``):
+    what a KubeRay RayService's ``serveConfigV2`` deploys (see k8s/).  The Serve config's
+    ``grpc_options`` / ``http_options`` must match the config's ``cluster`` ports."""
+    return build_app(load_config(args.get("config", "configs/local.yaml")))

@@ -1,0 +1,139 @@
+"""A small gRPC client for the cluster (``specserve client`` uses it; programs can too).
+
+    from cluster.client import SpecServeClient
+    with SpecServeClient("127.0.0.1:9000") as c:
+        c.wait_ready()
+        r = c.generate("def fib(n):", max_new_tokens=32, strategy="speculative", options={"k": 4})
+        print(r.text, r.stats.tokens_per_s)
+        for chunk in c.stream("import os", max_new_tokens=16):
+            print(chunk.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Iterator
+
+import grpc
+
+from cluster.errors import ParamError
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pbg
+
+
+class SpecServeClient:
+    def __init__(self, address: str = "127.0.0.1:9000", *, app: str | None = "specserve",
+                 timeout: float | None = None):
+        self.address, self.timeout = address, timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pbg.SpecServeStub(self.channel)
+        self.metadata = (("application", app),) if app else ()
+
+    # -- requests ---------------------------------------------------------------------------------
+    @staticmethod
+    def request(prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                seed: int | None = None, stop=(), strategy: str | None = None, options: dict | None = None,
+                ignore_eos: bool = False, request_id: str | None = None) -> pb.GenerateRequest:
+        """A GenerateRequest; ``None`` leaves a field unset (the server's config default)."""
+        m = pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or []), stop=list(stop),
+                               strategy=strategy or "", options={k: str(v) for k, v in (options or {}).items()},
+                               ignore_eos=ignore_eos, request_id=request_id or "")
+        for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                            ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(m, name, value)
+        return m
+
+    def generate(self, prompt: str | None = None, **kw) -> pb.GenerateResponse:
+        return self.stub.Generate(self.request(prompt, **kw), metadata=self.metadata, timeout=self.timeout)
+
+    def stream(self, prompt: str | None = None, **kw) -> Iterator[pb.GenerateChunk]:
+        """Chunks as they are produced; call ``.cancel()`` on the returned iterator to stop early."""
+        return self.stub.GenerateStream(self.request(prompt, **kw), metadata=self.metadata, timeout=self.timeout)
+
+    def server_info(self) -> pb.ServerInfoResponse:
+        return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata, timeout=self.timeout)
+
+    def health(self, service: str = "") -> str:
+        """``SERVING`` / ``NOT_SERVING`` from the standard gRPC health service."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        r = stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=self.metadata,
+                       timeout=self.timeout or 10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def wait_ready(self, timeout: float = 300.0, poll_s: float = 0.5) -> None:
+        """Poll health until SERVING (raises TimeoutError with the last status)."""
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            try:
+                last = self.health()
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(poll_s)           # polling interval of a condition with a deadline
+        raise TimeoutError(f"{self.address} not SERVING after {timeout}s (last: {last})")
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def main_client(args) -> int:
+    """``specserve client``: one request (or --info / --health) against a running cluster."""
+
+    from google.protobuf.json_format import MessageToDict
+    c = SpecServeClient(args.address, app=args.app, timeout=float(args.timeout) if args.timeout else None)
+    try:
+        if args.health:
+            print(c.health())
+            return 0
+        if args.info:
+            print(json.dumps(MessageToDict(c.server_info()), indent=2))
+            return 0
+        opts = dict(kv.split("=", 1) for kv in args.option)
+        kw = dict(max_new_tokens=_opt(args.max_new_tokens, int), temperature=_opt(args.temperature, float),
+                  top_p=_opt(args.top_p, float), top_k=_opt(args.top_k, int), seed=_opt(args.seed, int),
+                  stop=args.stop, strategy=args.strategy, options=opts)
+        if args.stream:
+            last = None
+            for chunk in c.stream(args.prompt, **kw):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print()
+            r = last.result
+        else:
+            r = c.generate(args.prompt, **kw)
+            if not args.json:
+                print(args.prompt + r.text)
+        if args.json:
+            print(json.dumps(MessageToDict(r), indent=2))
+        else:
+            s = r.stats
+            print(f"[{s.strategy}] {s.generated_tokens} tokens, {s.tokens_per_s:.1f} tok/s, target calls "
+                  f"{s.target_forwards}, accepted/step {s.mean_accepted:.2f}, finish {r.finish_reason}",
+                  file=sys.stderr)
+        return 0
+    except grpc.RpcError as e:
+        print(f"specserve: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    finally:
+        c.close()
+
+
+def _opt(value, kind):
+    """CLI strings to typed values; the server range-checks them (bad types fail here, naming the flag)."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ParamError("value", kind.__name__, value) from None

@@ -1,0 +1,181 @@
+"""Exact enumeration of randomized algorithms, and tabular models to run them on.
+
+:class:`EnumRng` replaces the engine's random source: every ``bernoulli``/``categorical`` draw is a
+branch point, and :func:`enumerate_outcomes` re-runs the *real* code once per branch path (DFS by
+replay), weighting each leaf by the product of its branch probabilities.  The result is the exact
+output distribution of the implementation, to floating-point rounding.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+
+class EnumRng:
+    """An Rng that follows a fixed branch path, then takes branch 0 and records the alternatives."""
+
+    def __init__(self, path: tuple[int, ...] = ()):
+        self.path, self.taken, self.weight, self.pending = path, [], 1.0, []
+
+    def _choose(self, options: list[tuple[object, float]]):
+        options = [(v, float(p)) for v, p in options if float(p) > 0.0]
+        assert options, "a draw with no positive-probability outcome"
+        i = len(self.taken)
+        if i < len(self.path):
+            j = self.path[i]
+        else:
+            j = 0
+            prefix = tuple(self.taken)
+            self.pending.extend(prefix + (alt,) for alt in range(1, len(options)))
+        self.taken.append(j)
+        value, prob = options[j]
+        self.weight *= prob
+        return value
+
+    def bernoulli(self, prob: float) -> bool:
+        prob = min(max(float(prob), 0.0), 1.0)
+        return self._choose([(True, prob), (False, 1.0 - prob)])
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return self._choose([(i, p) for i, p in enumerate(probs.tolist())])
+
+    def uniform(self) -> float:  # pragma: no cover - the core must not use continuous draws here
+        raise AssertionError("exact enumeration needs bernoulli/categorical draws, not uniform()")
+
+
+def enumerate_outcomes(run) -> dict:
+    """``run(rng) -> hashable outcome``; returns {outcome: exact probability}."""
+    dist: dict = defaultdict(float)
+    stack = [()]
+    leaves = 0
+    while stack:
+        rng = EnumRng(stack.pop())
+        dist[run(rng)] += rng.weight
+        stack.extend(rng.pending)
+        leaves += 1
+    total = sum(dist.values())
+    assert abs(total - 1.0) < 1e-9, f"branch weights sum to {total} over {leaves} leaves"
+    return dict(dist)
+
+
+def random_dist(rng: np.random.Generator, vocab: int, zeros: bool) -> np.ndarray:
+    p = rng.dirichlet(np.full(vocab, 0.7))
+    if zeros:
+        mask = rng.random(vocab) < 0.4
+        mask[rng.integers(vocab)] = False      # keep at least one token
+        p = np.where(mask, 0.0, p)
+        p = p / p.sum()
+    return p
+
+
+class TabularModel:
+    """A ModelHandle whose next-token distribution is a seeded random table of the whole prefix.
+
+    ``propose`` draws from the shared ``rng`` the test gives it (an :class:`EnumRng` when
+    enumerating), so the drafter's randomness is enumerated too.
+    """
+
+    def __init__(self, name: str, vocab: int, seed: int, zeros: bool = False, rng=None):
+        self.name, self.vocab_size, self.max_length, self.num_params = name, vocab, 64, 1
+        self.seed, self.zeros, self.rng = seed, zeros, rng
+        self.seqs: dict[str, list[int]] = {}
+        self.sampling = {}
+        self.forwards = 0
+
+    def dist(self, prefix) -> np.ndarray:
+        h = hashlib.sha256(f"{self.seed}|{tuple(prefix)}".encode()).digest()
+        return random_dist(np.random.default_rng(int.from_bytes(h[:8], "little")), self.vocab_size, self.zeros)
+
+    def logits(self, prefix) -> torch.Tensor:
+        with np.errstate(divide="ignore"):
+            return torch.tensor(np.log(self.dist(prefix)), dtype=torch.float64)
+
+    def prefill(self, rid, ids, sampling, seed):
+        self.seqs[rid], self.sampling[rid] = list(ids), sampling
+
+    def propose(self, rid, k):
+        from cluster.core.sampling import logits_to_probs, sample
+        seq, out, logits = self.seqs[rid], [], []
+        for _ in range(k):
+            lg = self.logits(seq)
+            tok = sample(logits_to_probs(lg, self.sampling[rid]), self.rng)
+            seq.append(tok)
+            out.append(tok)
+            logits.append(lg)
+        self.forwards += k
+        return out, torch.stack(logits) if logits else torch.empty(0, self.vocab_size)
+
+    def score(self, rid, draft):
+        seq = self.seqs[rid]
+        n = len(seq)
+        seq.extend(draft)
+        self.forwards += 1
+        return torch.stack([self.logits(seq[:n + i]) for i in range(len(draft) + 1)])
+
+    def rollback(self, rid, length):
+        del self.seqs[rid][length:]
+
+    def extend(self, rid, ids):
+        self.seqs[rid].extend(ids)
+
+    def release(self, rid):
+        self.seqs.pop(rid, None)
+
+
+class VocabTokenizer:
+    """Letters for a tiny vocabulary; no EOS."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+
+    def encode(self, text):
+        return [ord(c) - 65 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + i) for i in ids)
+
+
+def target_joint(model: TabularModel, prompt: list[int], n: int, sampling=None) -> dict:
+    """Exact distribution of the first ``n`` tokens sampled autoregressively from ``model``."""
+    from cluster.core.sampling import UNSCALED, logits_to_probs
+    sampling = sampling or UNSCALED
+    out = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for seq, w in out.items():
+            p = logits_to_probs(model.logits(prompt + list(seq)), sampling).tolist()
+            for tok, pt in enumerate(p):
+                if pt > 0:
+                    nxt[seq + (tok,)] = w * pt
+        out = nxt
+    return out
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def engine_vs_target(vocab: int, k: int, n: int, seed: int, sampling, verify: str = "token"):
+    """(exact distribution of the engine's first ``n`` tokens under strategy speculative with a
+    tabular drafter that has zeros, exact target joint) for one random target/drafter pair."""
+    from cluster.engine.engine import Engine
+    from cluster.engine.request import GenerationRequest
+    target = TabularModel("target", vocab, seed=seed)
+    drafter = TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
+    holder = {}
+    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
+                    rng_factory=lambda s: holder["rng"])
+
+    def run(rng):
+        holder["rng"] = drafter.rng = rng
+        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=n, sampling=sampling, seed=0,
+                                                strategy="speculative",
+                                                options={"drafter": "drafter", "k": k, "verify": verify}))
+        return tuple(res.token_ids)
+
+    return enumerate_outcomes(run), target_joint(target, [0], n, sampling)

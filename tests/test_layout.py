@@ -1,0 +1,155 @@
+"""The house rules (docs/architecture.md): rooms import one way, no cycles, imports at the top.
+
+Parses every project module's imports (function-level ones too) and holds the table of allowed
+directions true; a module-level cycle between project modules fails, and so does a function-level
+import of anything but a heavy optional dependency.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("cluster", "actors", "protos")
+
+# room -> rooms it may import (itself always allowed)
+ALLOWED = {
+    "errors": set(),
+    "core": {"errors"},
+    "strategies": {"core", "errors"},
+    "engine": {"strategies", "core", "errors"},
+    "config": {"strategies", "core", "errors"},
+    "models": {"core", "errors", "config"},
+    "local": {"engine", "models", "config", "core", "errors"},
+    "actors": {"models", "config", "core", "errors"},
+    "serving": {"actors", "engine", "strategies", "models", "config", "core", "errors", "protos"},
+    "family": {"models", "core", "config", "errors"},
+    "bench": {"local", "serving", "engine", "strategies", "models", "family", "config", "core", "errors"},
+    "cli": {"bench", "local", "serving", "engine", "strategies", "models", "family", "config", "core", "errors",
+            "actors", "protos"},
+    "face": {"engine", "config", "core", "errors", "serving"},          # cluster/__init__.py
+    "protos": set(),
+}
+# Dependencies that may be imported inside functions, so modules that do not need them load without.
+HEAVY = {"ray", "grpc", "grpc_health", "matplotlib", "transformers", "tokenizers", "safetensors", "sacrebleu",
+         "starlette", "fastapi", "google", "locust", "jsonschema", "grpc_tools"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(mod: str) -> str:
+    parts = mod.split(".")
+    if parts[0] in ("actors", "protos"):
+        return parts[0]
+    if len(parts) == 1:
+        return "face"
+    return {"local": "local", "errors": "errors"}.get(parts[1], parts[1])
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+            if "_pb2" not in p.name}
+
+
+def imports(path: Path, mod: str):
+    """(imported module, is_module_level, line) for every import in ``path``, relative ones resolved."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, id(node) in top, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            # "from pkg import submodule" imports the submodule
+            for a in node.names:
+                yield name, id(node) in top, node.lineno
+                yield f"{name}.{a.name}", id(node) in top, node.lineno
+
+
+def resolve(name: str, mods: dict[str, Path]) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = project_modules()
+    edges = {}
+    for mod, path in mods.items():
+        edges[mod] = [(target, top, line, raw) for raw, top, line in imports(path, mod)
+                      if raw.split(".")[0] in PACKAGES and (target := resolve(raw, mods)) and target != mod]
+    return mods, edges
+
+
+def test_imports_follow_the_room_table(graph):
+    mods, edges = graph
+    bad = []
+    for mod, targets in edges.items():
+        src = room(mod)
+        for target, _, line, _ in targets:
+            dst = room(target)
+            if dst != src and dst not in ALLOWED[src]:
+                bad.append(f"{mods[mod].relative_to(ROOT)}:{line}: {src} -> {dst} ({target})")
+    assert not bad, "imports against the room table:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_import_cycles(graph):
+    mods, edges = graph
+    # a package's __init__ importing its own submodules is not a cycle through the package
+    adj = {m: sorted({t for t, top, _, raw in e if top and not t.startswith(m + ".")}) for m, e in edges.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in adj.get(m, []):
+            if state.get(t) == "open":
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(adj):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_function_level_imports_only_for_heavy_dependencies(graph):
+    mods, _ = graph
+    bad = []
+    for mod, path in mods.items():
+        for raw, top, line in imports(path, mod):
+            if not top and raw.split(".")[0] not in HEAVY and raw.split(".")[0] != "protos":
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {raw}")
+    assert not bad, "imports inside functions (hoist them, or explain a heavy dependency):\n" + "\n".join(
+        sorted(set(bad)))
+
+
+def test_modules_stay_small():
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in project_modules().values()
+           if (n := len(p.read_text().splitlines())) > 400]
+    assert not big, big
+
+
+def test_core_imports_no_ray_grpc_or_transformers():
+    code = ("import sys, cluster.core, cluster.core.verifiers, cluster.core.cascade_targets, "
+            "cluster.core.maxgram, cluster.core.cost_model, cluster.strategies, cluster.engine; "
+            "print(sorted(m for m in ('ray', 'grpc', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
