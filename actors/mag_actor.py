@@ -1,4 +1,5 @@
-"""The Max-Gram drafter (:class:`cluster.models.maxgram.MagHandle`, paper 002 section 3.3) as a Ray actor.
+"""The Max-Gram drafter (:class:`cluster.models.maxgram.MagHandle`; Chen et al., *Cascade Speculative
+Drafting for Even Faster LLM Inference*, section 3.3) as a Ray actor.
 
 Used by the ``separated`` topology so every model of a unit is its own actor; in the ``default``
 topology MaG runs inside the coordinator (it costs microseconds, less than any round trip).  Same
@@ -12,7 +13,7 @@ from cluster.models.build import build_handle
 
 
 class MagHost(ModelHost):
-    def __init__(self, cfg, name: str, vocab_size: int, threads: int = 1):     # noqa: super deferred
+    def __init__(self, cfg, name: str, vocab_size: int, threads: int = 1):     # super().__init__ not called: no model to load here
         self.worker = build_handle(cfg, name, vocab_size=vocab_size)
         self.name = name
 

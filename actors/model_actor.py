@@ -1,4 +1,4 @@
-"""A Ray actor hosting one model (:class:`cluster.models.hf.HFWorker`) behind the ModelHandle methods.
+"""A Ray actor hosting one model (a handle from :func:`cluster.models.build.build_handle`) behind the ModelHandle methods.
 
 The coordinator talks to it through :class:`cluster.serving.remote.RemoteHandle`, which queues the calls that
 return nothing (prefill, rollback, extend) and sends them with the next call that returns something,

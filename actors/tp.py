@@ -21,7 +21,7 @@ from cluster.models.build import build_handle
 
 
 class TPRank(ModelHost):
-    def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # noqa: super deferred
+    def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # super().__init__ not called: no model to load here
         torch.set_num_threads(threads)
         self.cfg, self.name, self.rank, self.world = cfg, name, rank, world
         self.worker = None

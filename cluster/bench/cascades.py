@@ -1,4 +1,5 @@
-"""cascades: moved from cluster.bench_verify."""
+"""The ``cascades`` benchmark suite: spec_cascade rules, lossy, token and oracle cascades swept over alpha,
+quality (chrF) against cost (walltime, parameter-count cost model, target calls), with tables and plots."""
 from __future__ import annotations
 
 import time

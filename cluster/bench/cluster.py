@@ -1,7 +1,7 @@
 """``specserve bench --cluster``: every strategy through the cluster vs in-process, one run.
 
 Runtimes (same weights, same held-out prompts, interleaved prompt by prompt):
-  * ``in-process`` -- :func:`cluster.loader.build_engine`;
+  * ``in-process`` -- :func:`cluster.local.build_engine`;
   * ``cluster/default`` -- the coordinator's engine over Ray actors, drafters in the coordinator;
   * ``cluster/default-ray`` -- the same, per-step calls as Ray actor tasks instead of direct sockets;
   * ``cluster/separated`` -- every model its own actor (direct sockets).

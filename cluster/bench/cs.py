@@ -1,13 +1,15 @@
 """Benchmark suite ``cs`` and ``specserve tune``: MaG, CS Drafting and SpecDec++ against speculative
-decoding and the Hugging Face peers (paper 002, section 5; paper 003, section 5).
+decoding and the Hugging Face peers (Chen et al., *Cascade Speculative Drafting for Even Faster LLM
+Inference*, section 5; Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive Candidate
+Lengths*, section 5).
 
 Rows (greedy and temperature 1, same held-out prompts, interleaved prompt by prompt): autoregressive;
 speculative with each drafter (every k of ``--ks``; the best is marked); ``mag``; CS Drafting with
 [mag], [small, mag], [large, mag], [large, small, mag] (K-matrices chosen by :func:`tune_choices`);
 SpecDec++ per drafter with a head; HF assisted generation per drafter and prompt lookup per k.
-Columns add the SWI (paper 002, section 5.1) with parameter counts (``swi_params``) and with the
-measured per-call latencies (``swi_latency``).  A PNG plots the acceptance probability by draft
-position (paper 002, figure 2).
+Columns add the SWI (Chen et al. 2024, CS Drafting, section 5.1) with parameter counts (``swi_params``)
+and with the measured per-call latencies (``swi_latency``).  A PNG plots the acceptance probability by
+draft position (Chen et al. 2024, CS Drafting, figure 2).
 """
 from __future__ import annotations
 

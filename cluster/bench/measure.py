@@ -1,4 +1,5 @@
-"""measure: moved from cluster.cost, cluster.mag."""
+"""Measurements behind ``specserve tune`` and the benchmarks: pairwise acceptance rates alpha(reviewer,
+drafter), per-model call costs, and Max-Gram proposal latency at several context lengths."""
 from __future__ import annotations
 
 import statistics

@@ -27,7 +27,7 @@ class Row:
     extra: dict = field(default_factory=dict)
 
     def record(self, stats, seconds: float) -> None:
-        """Add one generation's :class:`cluster.stats.RequestStats` and its wall time."""
+        """Add one generation's :class:`cluster.core.stats.RequestStats` and its wall time."""
         self.seconds += seconds
         self.tokens += stats.generated_tokens
         self.target_calls += stats.target_forwards

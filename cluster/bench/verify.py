@@ -5,7 +5,8 @@ and L in {4, 6, 8}; token and block verification side by side, interleaved promp
 same seeds.  Besides the realised accepted tokens per target call, every verification step records
 both verifiers' expected accepted length on the very same draft (token: E[accepted | draft] =
 sum_i prod_{j<=i} min(1, p_j/q_j); block: sum_i p_i, whose mean over drafts from the drafter is E[tau],
-paper 004) -- a paired estimate free of the verifiers' own coin flips.
+Sun et al., *Optimal Block-Level Draft Verification for Accelerating Speculative Decoding*)
+-- a paired estimate free of the verifiers' own coin flips.
 
 ``specserve bench --suite cascades``: cost-quality curves at temperature 1.  Every speculative cascade
 rule, lossy speculative sampling, the sequential TokenCascade[Chow] and the oracle Diff cascade

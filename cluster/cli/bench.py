@@ -1,4 +1,5 @@
-"""bench: moved from cluster.bench."""
+"""``specserve bench``: validate the arguments and run the chosen benchmark suites (:data:`cluster.bench.SUITES`),
+printing each suite's wall time."""
 from __future__ import annotations
 
 import time

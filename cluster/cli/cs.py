@@ -1,4 +1,6 @@
-"""cs: moved from cluster.bench_cs."""
+"""CLI commands for the CS Drafting / SpecDec++ / Max-Gram tooling: ``specserve tune`` (predicted-best k and
+K-matrices measured beside the prediction), ``specserve train-head`` (a SpecDec++ acceptance head for a
+drafter) and ``specserve mag build-bigram`` (the Max-Gram bigram table)."""
 from __future__ import annotations
 
 import json
@@ -71,7 +73,7 @@ def cmd_tune(args) -> int:
 
 # -- command line: `specserve train-head`, `specserve tune`, `specserve mag build-bigram` -------------
 def add_cs_commands(sub) -> None:
-    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a drafter (paper 003)")
+    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a drafter (Huang et al., SpecDec++)")
     t.add_argument("--config", default="configs/local.yaml")
     t.add_argument("--drafter", help="drafter model name (default: the config's first drafter)")
     t.add_argument("--out", help="head directory (default: <zoo cache>/specdec-head/<drafter> for zoo models)")

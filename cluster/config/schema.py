@@ -105,10 +105,11 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class MagSpec:
-    """The Max-Gram statistical drafter (paper 002, section 3.3), served as model ``name``.
+    """The Max-Gram statistical drafter (Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*,
+    section 3.3), served as model ``name``.
 
     ``bigram``: a table file from ``specserve mag build-bigram`` (default: built from the zoo's training
-    corpus and cached, see :func:`cluster.mag.default_bigram_path`).
+    corpus and cached, see :func:`cluster.config.paths.default_bigram_path`).
     """
 
     name: str = "mag"

@@ -1,11 +1,12 @@
 """Block verification (Sun et al., *Optimal Block-Level Draft Verification for Accelerating
-Speculative Decoding*, paper 004, Algorithm 3 "BlockVerify", in its final published form).
+Speculative Decoding*, Algorithm 3 "BlockVerify", in its final published form).
 
 Token verification accepts each draft token on its own (accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)),
 stop at the first rejection).  Block verification judges the draft *as a block*: it carries the
 clipped likelihood ratio of the whole prefix, so an unlikely token can be rescued by a later likely
 one.  It is lossless (the output follows the target exactly) and its expected number of accepted
-tokens, sum_i E[p_i], is never below token verification's (paper 004, Theorem 2 / Lemma 2).
+tokens, sum_i E[p_i], is never below token verification's (Sun et al., Block-Level Draft Verification,
+Theorem 2 / Lemma 2).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def verify_block(draft: list[int], q: torch.Tensor, p: torch.Tensor, rng: Rng) -
     Draws eta_i ~ Bernoulli(h_i) for every i = 1..L (the scan does not stop at a failure);
     tau = the largest i with a success (0 if none).  If tau = L the next token is a bonus token from
     M_b(. | X^L); otherwise it is a correction token from
-    norm(max(p_tau * M_b(. | X^tau) - M_s(. | X^tau), 0)).  Paper 004, Algorithm 3 (final form).
+    norm(max(p_tau * M_b(. | X^tau) - M_s(. | X^tau), 0)).  Sun et al., Block-Level Draft Verification,
+    Algorithm 3 (final form).
     """
     L = len(draft)
     assert q.shape[0] == L and p.shape[0] == L + 1, (q.shape, p.shape, L)

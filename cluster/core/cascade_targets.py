@@ -1,21 +1,22 @@
 """Target distributions for lossy speculative sampling and speculative cascades.
 
-GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, paper 000, Algorithm 4;
-:func:`cluster.verify.gen_spec_verify`) emits, at every draft position, a token distributed exactly
+GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Algorithm 4;
+:func:`cluster.core.verify.gen_spec_verify`) emits, at every draft position, a token distributed exactly
 as a *target distribution* pi = T(q, p) built from the drafter's q and the verifier's p.  This module
 holds those functions T, pure over ``[..., V]`` float64 tensors:
 
-* :func:`lossy_target`    lossy speculative sampling (paper 000, Table 1 row "Lossy SpecDecoding",
-  Lemma in its appendix; Tran-Thien 2023): pi = max{min{q, p/(1-alpha)}, p/beta}, beta solved;
-* :func:`cascade_target`  speculative cascades (paper 000, Algorithm 5 / eq. (6)):
+* :func:`lossy_target`    lossy speculative sampling (Narasimhan et al. 2024, Faster Cascades, Table 1 row
+  "Lossy SpecDecoding", Lemma in its appendix; Tran-Thien 2023): pi = max{min{q, p/(1-alpha)}, p/beta},
+  beta solved;
+* :func:`cascade_target`  speculative cascades (Narasimhan et al. 2024, Faster Cascades, Algorithm 5 / eq. (6)):
   pi = (1-delta) q + delta p, delta from **chow**, **diff**, **opt** (Table 1), and the
-  token-specific cascades (paper 001, section 5): pi(v) = q(v)(1-r(v)) + p(v) * sum_v' r(v') q(v'),
-  r from **token_v1/v2/v3**.
+  token-specific cascades (the later version of Narasimhan et al., *Faster Cascades via Speculative Decoding*,
+  section 5): pi(v) = q(v)(1-r(v)) + p(v) * sum_v' r(v') q(v'), r from **token_v1/v2/v3**.
 
-Temperature / top-p (paper 001, appendix C.1): the deferral rules read the *unscaled* distributions
-``q_raw, p_raw``; the mixture is built from the *scaled* ones ``q, p`` (what is actually sampled),
-and OPT's TV distance uses the scaled ones too.  Lossy sampling uses the scaled ones throughout
-(appendix C.2).
+Temperature / top-p (Narasimhan et al., Faster Cascades (later version), appendix C.1): the deferral
+rules read the *unscaled* distributions ``q_raw, p_raw``; the mixture is built from the *scaled* ones
+``q, p`` (what is actually sampled), and OPT's TV distance uses the scaled ones too.  Lossy sampling uses
+the scaled ones throughout (appendix C.2).
 
 alpha conventions (one ``--alpha`` for every rule): ``alpha = 1`` never defers for every rule
 (pi = q); ``alpha = -2`` always defers for every rule (pi = p; for OPT up to the case TV(p,q) = 0,
@@ -33,10 +34,10 @@ ALPHA_RANGE = (-2.0, 1.0)     # cascade rules: -2 = always defer, 1 = never defe
 def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor:
     """pi = max{min{q, p/(1-alpha)}, p/beta}, with beta >= 1-alpha solved so that sum pi = 1.
 
-    Paper 000, Table 1 ("Lossy SpecDecoding") and appendix D.3 (the condition
+    Narasimhan et al. 2024, Faster Cascades, Table 1 ("Lossy SpecDecoding") and appendix D.3 (the condition
     sum max{0, q - p/(1-alpha)} = sum max{0, p/beta - q} of Tran-Thien 2023 is exactly sum pi = 1).
     Run through GenSpecSample, this accepts x w.p. min(1, p(x) / ((1-alpha) q(x))) and recovers from
-    norm(max{0, p/beta - q}) (paper 000, section 2).
+    norm(max{0, p/beta - q}) (Narasimhan et al. 2024, Faster Cascades, section 2).
 
     q, p: ``[..., V]`` probability tensors; alpha in [0, 1).  Returns pi ``[..., V]`` (float64).
 
@@ -65,41 +66,44 @@ def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """D_TV(p, q) = sum_v max{0, p(v) - q(v)} over the last axis (paper 000, eq. under (7))."""
+    """D_TV(p, q) = sum_v max{0, p(v) - q(v)} over the last axis (Narasimhan et al. 2024, Faster Cascades,
+    eq. under (7))."""
     return torch.clamp(p - q, min=0.0).sum(-1)
 
 
 def defer_chow(q: torch.Tensor, p: torch.Tensor, alpha: float, **_) -> torch.Tensor:
-    """delta = 1(max q < 1 - alpha) (paper 000, eq. (2)); ``[...]`` bool. Ignores p."""
+    """delta = 1(max q < 1 - alpha) (Narasimhan et al. 2024, Faster Cascades, eq. (2)); ``[...]`` bool. Ignores p."""
     return q.amax(-1) < 1.0 - alpha
 
 
 def defer_diff(q: torch.Tensor, p: torch.Tensor, alpha: float, **_) -> torch.Tensor:
-    """delta = 1(max q < max p - alpha) (paper 000, eq. (5))."""
+    """delta = 1(max q < max p - alpha) (Narasimhan et al. 2024, Faster Cascades, eq. (5))."""
     return q.amax(-1) < p.amax(-1) - alpha
 
 
 def defer_opt(q: torch.Tensor, p: torch.Tensor, alpha: float, tv_dist: torch.Tensor | None = None,
               **_) -> torch.Tensor:
-    """delta = 1(max q < max p - alpha * TV) (paper 000, eq. (10)); ``tv_dist`` from the scaled
-    distributions (paper 000 section 4.3 / paper 001 appendix C.1), default TV(p, q)."""
+    """delta = 1(max q < max p - alpha * TV) (Narasimhan et al. 2024, Faster Cascades, eq. (10));
+    ``tv_dist`` from the scaled distributions (Narasimhan et al. 2024, Faster Cascades, section 4.3 /
+    Narasimhan et al., Faster Cascades (later version), appendix C.1), default TV(p, q)."""
     if tv_dist is None:
         tv_dist = tv(p, q)
     return q.amax(-1) < p.amax(-1) - alpha * tv_dist
 
 
 def defer_token_v1(q: torch.Tensor, p: torch.Tensor, alpha: float, **_) -> torch.Tensor:
-    """r(v) = 1(q(v) < max p - alpha) (paper 001, section 5, TokenV1); ``[..., V]`` bool."""
+    """r(v) = 1(q(v) < max p - alpha) (Narasimhan et al., Faster Cascades (later version), section 5,
+    TokenV1); ``[..., V]`` bool."""
     return q < p.amax(-1, keepdim=True) - alpha
 
 
 def defer_token_v2(q: torch.Tensor, p: torch.Tensor, alpha: float, **_) -> torch.Tensor:
-    """r(v) = 1(p(v) < max p - alpha) (paper 001, section 5, TokenV2)."""
+    """r(v) = 1(p(v) < max p - alpha) (Narasimhan et al., Faster Cascades (later version), section 5, TokenV2)."""
     return p < p.amax(-1, keepdim=True) - alpha
 
 
 def defer_token_v3(q: torch.Tensor, p: torch.Tensor, alpha: float, **_) -> torch.Tensor:
-    """r(v) = 1(p(v) < (1 - alpha) max p) (paper 001, section 5, TokenV3)."""
+    """r(v) = 1(p(v) < (1 - alpha) max p) (Narasimhan et al., Faster Cascades (later version), section 5, TokenV3)."""
     return p < (1.0 - alpha) * p.amax(-1, keepdim=True)
 
 
@@ -113,12 +117,14 @@ RULES = {**SEQUENCE_RULES, **TOKEN_RULES}
 
 
 def mix(q: torch.Tensor, p: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """T_delta(q, p) = (1 - delta) q + delta p with delta ``[...]`` in {0, 1} (paper 000, eq. (6))."""
+    """T_delta(q, p) = (1 - delta) q + delta p with delta ``[...]`` in {0, 1} (Narasimhan et al. 2024,
+    Faster Cascades, eq. (6))."""
     return torch.where(delta.unsqueeze(-1), p, q)
 
 
 def token_mix(q: torch.Tensor, p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """pi(v) = q(v) (1 - r(v)) + p(v) * sum_v' r(v') q(v') (paper 001, section 5); r ``[..., V]``."""
+    """pi(v) = q(v) (1 - r(v)) + p(v) * sum_v' r(v') q(v') (Narasimhan et al., Faster Cascades (later
+    version), section 5); r ``[..., V]``."""
     rf = r.to(q.dtype)
     eta = (rf * q).sum(-1, keepdim=True)                                       # [..., 1]
     return q * (1.0 - rf) + p * eta
@@ -129,7 +135,7 @@ def cascade_target(q: torch.Tensor, p: torch.Tensor, rule: str, alpha: float,
     """pi for speculative cascade ``rule`` at ``alpha`` (``[..., V]``).
 
     q, p: the scaled (sampled) drafter / verifier distributions ``[..., V]``; q_raw, p_raw: the
-    unscaled ones the rule reads (default: q, p).  Paper 001 appendix C.1.
+    unscaled ones the rule reads (default: q, p).  Narasimhan et al., Faster Cascades (later version), appendix C.1.
     """
     if rule not in RULES:
         raise ParamError("rule", "one of " + ", ".join(RULES), rule)

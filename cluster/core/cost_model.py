@@ -1,5 +1,6 @@
-"""Cost theory of speculative decoding and CS Drafting (paper 002, section 4) and the standardized
-walltime improvement (SWI, paper 002, section 5.1).
+"""Cost theory of speculative decoding and CS Drafting (Chen et al., *Cascade Speculative Drafting for Even
+Faster LLM Inference*, section 4) and the standardized walltime improvement (SWI, Chen et al. 2024,
+CS Drafting, section 5.1).
 
 Units: time is measured in target forward passes; ``c`` is a drafter call's cost over a target
 forward pass; acceptance is i.i.d. with probability ``alpha`` (the EWIF assumption).  EWIF = expected
@@ -124,8 +125,8 @@ def model_costs(models: Mapping[str, object], latencies: Mapping[str, float] | N
 
 
 def swi(stats, costs: Mapping[str, float], target: str = "target") -> float:
-    """Standardized walltime improvement (paper 002, section 5.1): with each forward pass of a model
-    costing ``costs[model]``, the speedup over autoregressive decoding (one target pass per token):
+    """Standardized walltime improvement (Chen et al. 2024, CS Drafting, section 5.1): with each forward pass of a
+    model costing ``costs[model]``, the speedup over autoregressive decoding (one target pass per token):
     tokens * c_target / (target passes * c_target + sum_d drafter calls_d * c_d)."""
     ct = costs[target]
     spent = stats.target_forwards * ct + sum(n * costs.get(d, 0.0) for d, n in stats.drafter_forwards.items())

@@ -1,7 +1,7 @@
 """The Max-Gram (MaG) drafter: a statistical language model that costs (almost) nothing to run.
 
-Paper 002 (Chen et al., *Cascade Speculative Drafting*), section 3.3 and appendix A: find the longest
-suffix of the current sequence (prompt + generated) that occurred earlier in it and copy the tokens
+Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*, section 3.3 and appendix A: find the
+longest suffix of the current sequence (prompt + generated) that occurred earlier in it and copy the tokens
 that followed that occurrence; where that yields fewer than k tokens, continue greedily from a bigram
 table (each token's most frequent successor in a corpus).
 
@@ -13,8 +13,8 @@ its suffix of length n - 1), so a proposal costs O(log(max_ngram) * max_ngram + 
 independent of the context length.  Among several earlier occurrences of the longest suffix, the
 *most recent* one is copied (the paper's listing takes the first; recent context predicts better).
 
-:class:`MagHandle` exposes MaG through the :class:`cluster.model.ModelHandle` interface, so a
-strategy treats it like any drafter: its proposals come with one-hot "distributions" (logits 0 for
+:class:`cluster.models.maxgram.MagHandle` exposes MaG through the :class:`cluster.core.interfaces.ModelHandle`
+interface, so a strategy treats it like any drafter: its proposals come with one-hot "distributions" (logits 0 for
 the proposed token, -inf elsewhere), so verification against it is exact speculative sampling with a
 deterministic drafter (accept x w.p. min(1, p(x)), recover from norm(max(0, p - onehot(x)))).
 """

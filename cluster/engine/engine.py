@@ -1,6 +1,6 @@
 """The speculative decoding engine: validates a request, runs a strategy's steps, applies stop rules.
 
-It holds model handles (in-process workers or remote actor handles, :mod:`cluster.model`) and is
+It holds model handles (in-process workers or remote actor handles, :class:`cluster.core.interfaces.ModelHandle`) and is
 otherwise stateless between requests, so one engine serves many concurrent requests.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from cluster.engine.request import (
     MAX_STOP_STRINGS,
     GenerationRequest,
     GenerationResult,
+    PreparedRequest,
     StreamChunk,
 )
-from cluster.engine.stop import _StopDecoder
+from cluster.engine.stop import StopDecoder
 from cluster.errors import ParamError, check_int
 from cluster.strategies import REGISTRY, StepContext, resolve_options
 
@@ -46,8 +47,10 @@ class Engine:
         self.vocab_size = min(m.vocab_size for m in self.models.values())
 
     # -- validation ---------------------------------------------------------------------------
-    def prepare(self, req: GenerationRequest):
-        """Validate ``req``; return (prompt ids, strategy instance, seed). Raises ParamError."""
+    def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
+        """Validate and tokenize ``req`` once (raises ParamError); a prepared request passes through."""
+        if isinstance(req, PreparedRequest):
+            return req
         if req.prompt_ids is not None and len(req.prompt_ids) > 0:
             ids = list(req.prompt_ids)
             for i in ids:
@@ -76,25 +79,26 @@ class Engine:
                 raise ParamError("stop", f"strings of 1 to {MAX_STOP_LEN} characters", s)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
         seed = check_int("seed", seed, 0, MAX_SEED)
-        return ids, strategy, seed
+        return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
+                               tuple(req.stop), req.ignore_eos, strategy)
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, req: GenerationRequest) -> GenerationResult:
+    def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
         for chunk in self.stream(req):
             pass
         return chunk.result
 
-    def stream(self, req: GenerationRequest) -> Iterator[StreamChunk]:
+    def stream(self, req: GenerationRequest | PreparedRequest) -> Iterator[StreamChunk]:
         """Yield one :class:`StreamChunk` per step; the last one carries the :class:`GenerationResult`.
 
         Every model's per-request state is released when the generator ends, fails or is closed.
         """
-        ids, strategy, seed = self.prepare(req)
-        rid = req.request_id or uuid.uuid4().hex
+        req = self.prepare(req)
+        ids, strategy, seed, rid = list(req.prompt_ids), req.strategy, req.seed, req.rid
         stats = RequestStats(strategy=strategy.name, prompt_tokens=len(ids))
         ctx = StepContext(rid, self.models, self.target, req.sampling, self.rng_factory(seed), stats,
                           list(ids), 0)
-        decoder = _StopDecoder(self.tokenizer, req.stop)
+        decoder = StopDecoder(self.tokenizer, req.stop)
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         handles = [self.models[r] for r in strategy.roles()]
         t0 = time.perf_counter()

@@ -1,4 +1,6 @@
-"""request: moved from cluster.engine."""
+"""What flows through the engine: a request as a client gives it, the prepared request that admission
+makes of it once (validated and tokenized), stream chunks and the final result.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,6 +8,7 @@ from typing import Any
 
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
+from cluster.strategies import Strategy
 
 MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 64
 
@@ -51,3 +54,22 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return dict(token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
                     seed=self.seed, request_id=self.request_id, stats=self.stats.to_dict())
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request after admission: validated and tokenized once (:meth:`Engine.prepare`); everything
+    downstream (coordinator, engine loop) works on this object, never on the raw request again."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]        # [P] tokenized prompt
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    strategy: Strategy                 # bound to the engine's models, options resolved
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy.name

@@ -1,10 +1,10 @@
-"""stop: moved from cluster.engine."""
+"""Incremental detokenisation with stop strings (what a stream may emit, and where a stop string ends it)."""
 from __future__ import annotations
 
 from cluster.core.interfaces import Tokenizer
 
 
-class _StopDecoder:
+class StopDecoder:
     """Incremental detokenisation with stop strings: emits only text that can no longer change."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):

@@ -4,7 +4,7 @@ The serving system needs a *family* of causal LMs that share a tokenizer: one
 expensive ``target`` and cheaper drafters whose greedy predictions often agree
 with it.  Nothing can be downloaded, so :func:`build_zoo` makes one from
 scratch, on CPU, in a few minutes, from the Python standard library's source
-(:mod:`cluster.corpus`):
+(:mod:`cluster.family.corpus`):
 
 1. train a byte-level BPE tokenizer (``tokenizers``) on the train split;
    ``<|endoftext|>`` is BOS, EOS, PAD and the document separator;
@@ -56,20 +56,7 @@ from cluster.family.presets import EOT, ModelSpec, ZooConfig
 from cluster.family.tokenizer import _encode_stream, train_tokenizer
 from cluster.family.train import _distill, _init_from_target, _make_model, _train_target
 
-__all__ = [
-    "ZOO_VERSION",
-    "MODEL_NAMES",
-    "ModelSpec",
-    "ZooConfig",
-    "PRESETS",
-    "default_cache_dir",
-    "load_manifest",
-    "zoo_is_built",
-    "build_zoo",
-    "model_entry",
-    "format_summary",
-    "measure_latency",
-]
+__all__ = ["build_zoo"]
 
 
 PRESETS: dict[str, ZooConfig] = {

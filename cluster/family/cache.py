@@ -1,4 +1,5 @@
-"""cache: moved from cluster.zoo."""
+"""The family's on-disk cache: reading and validating ``manifest.json``, looking up model entries, and the
+file lock that serialises builds."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
-"""common: moved from cluster.zoo."""
+"""Helpers shared by the family build: torch thread-count control (a fixed count, and a tuner that times
+1 vs. ``max_threads`` threads), silencing transformers' progress bars, progress bars and parameter counts."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,6 @@
 """Training / evaluation corpus: the Python standard library's own source.
 
-The embedded model family (see :mod:`cluster.zoo`) is trained on the ``*.py``
+The embedded model family (see :mod:`cluster.family`) is trained on the ``*.py``
 files of the running interpreter's standard library.  That corpus is present on
 every machine that can run this project, needs no download, is licence-clean and
 is large enough (~10 MB) to train small code models in minutes.

@@ -1,4 +1,6 @@
-"""heads: moved from cluster.specdec_head."""
+"""Training of SpecDec++ acceptance-prediction heads (Huang et al., *SpecDec++: Boosting Speculative Decoding
+via Adaptive Candidate Lengths*, section 4.4): training prompts, target-sampled responses, token-mixed
+features with min(1, p/q) labels, the weighted BCE fit, and the heads of the embedded family."""
 from __future__ import annotations
 
 import math
@@ -57,7 +59,7 @@ def sample_responses(target, prompts: list[list[int]], n_tokens: int, temperatur
 @torch.no_grad()
 def make_features(target, drafter, seqs: torch.Tensor, prompt_len: int, *, draws: int = 4, mix: float = 0.3,
                   temperature: float = 1.0, seed: int = 0, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [M, H], labels [M]) per paper 003 sec. 4.4: candidates Y_i ~ q_i, labels
+    """(features [M, H], labels [M]) per Huang et al. 2024, SpecDec++, sec. 4.4: candidates Y_i ~ q_i, labels
     min(1, p_i(Y_i)/q_i(Y_i)), token-mixed drafter inputs, Y positions only."""
     g = torch.Generator().manual_seed(seed)
     feats, labels = [], []
@@ -79,7 +81,7 @@ def make_features(target, drafter, seqs: torch.Tensor, prompt_len: int, *, draws
 
 
 def weighted_bce(logits: torch.Tensor, target: torch.Tensor, w_acc: float = 1.0, w_rej: float = 1.0) -> torch.Tensor:
-    """-w_acc P log P^ - w_rej (1 - P) log(1 - P^), averaged (paper 003, section 4.4)."""
+    """-w_acc P log P^ - w_rej (1 - P) log(1 - P^), averaged (Huang et al. 2024, SpecDec++, section 4.4)."""
     return -(w_acc * target * nn.functional.logsigmoid(logits)
              + w_rej * (1 - target) * nn.functional.logsigmoid(-logits)).mean()
 
@@ -87,8 +89,8 @@ def weighted_bce(logits: torch.Tensor, target: torch.Tensor, w_acc: float = 1.0,
 def fit_head(feats: torch.Tensor, labels: torch.Tensor, *, depth: int = 2, w_acc: float = 1.0, w_rej: float = 1.0,
              epochs: int = 6, batch: int = 256, lr: float = 2e-3, seed: int = 0, progress: bool = True
              ) -> tuple[AcceptanceHead, dict]:
-    """Adam with a cosine schedule (paper 003, appendix D) on the weighted BCE; returns the head and
-    its loss before and after training."""
+    """Adam with a cosine schedule (Huang et al. 2024, SpecDec++, appendix D) on the weighted BCE; returns the
+    head and its loss before and after training."""
     torch.manual_seed(seed)
     head = AcceptanceHead(feats.shape[-1], depth)
     steps = max(1, epochs * math.ceil(len(feats) / batch))

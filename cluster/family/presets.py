@@ -1,4 +1,5 @@
-"""presets: moved from cluster.zoo."""
+"""Build presets of the embedded family: :class:`ModelSpec` (one model's architecture), :class:`ZooConfig`
+(everything that determines a build, fingerprinted into the manifest), the model names and the EOT token."""
 from __future__ import annotations
 
 import dataclasses

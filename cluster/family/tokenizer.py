@@ -1,4 +1,5 @@
-"""tokenizer: moved from cluster.zoo."""
+"""The family's shared tokenizer: training a byte-level BPE (``<|endoftext|>`` as BOS/EOS/PAD) and encoding
+documents into one ``EOT doc EOT doc ...`` token stream."""
 from __future__ import annotations
 
 from typing import Sequence

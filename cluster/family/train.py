@@ -1,4 +1,5 @@
-"""train: moved from cluster.zoo."""
+"""Training the embedded family: the target's pre-training with cross-entropy and the joint distillation of
+the drafters from it (KL to the target's soft labels mixed with CE), with warm-up + cosine LR schedules."""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,11 @@
-"""SpecDec++ acceptance-prediction head (paper 003, Huang et al.): architecture, training, stopping rule.
+"""SpecDec++ acceptance-prediction head (Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive
+Candidate Lengths*): the head's architecture, saving and loading.  Its training is in
+:mod:`cluster.family.heads`, the stopping rule in :mod:`cluster.core.draft_stop`.
 
 The head reads the drafter's final hidden state e_i of a candidate token Y_i and predicts
-P(Y_i accepted | Y_1..Y_{i-1} accepted) = min(1, p(Y_i) / q(Y_i)) (paper 003, eq. 4.1).  Drafting stops
-once the predicted probability that some candidate is rejected, 1 - prod_i sigmoid(f(e_i)), exceeds a
-threshold h (section 4.3, Algorithm 1), or at a hard cap k_max.
+P(Y_i accepted | Y_1..Y_{i-1} accepted) = min(1, p(Y_i) / q(Y_i)) (Huang et al. 2024, SpecDec++, eq. 4.1).
+Drafting stops once the predicted probability that some candidate is rejected, 1 - prod_i sigmoid(f(e_i)),
+exceeds a threshold h (section 4.3, Algorithm 1), or at a hard cap k_max.
 
 Training (section 4.4): responses X sampled from the target; at every response position a drafter
 candidate Y_i ~ q(. | prompt, X_<i) with label P_i = min(1, p(Y_i | .) / q(Y_i | .)); token mixing
@@ -24,7 +26,8 @@ HEAD_DIR = "specdec-head"
 
 
 class AcceptanceHead(nn.Module):
-    """D residual blocks x <- x + SiLU(W x + b), then a linear output (a (D+1)-layer ResNet, paper 003 sec. 5.1)."""
+    """D residual blocks x <- x + SiLU(W x + b), then a linear output (a (D+1)-layer ResNet,
+    Huang et al. 2024, SpecDec++, sec. 5.1)."""
 
     def __init__(self, hidden: int, depth: int = 2):
         super().__init__()

@@ -1,6 +1,6 @@
 """In-process model worker: a Hugging Face causal LM with a per-request KV cache.
 
-Implements :class:`cluster.model.ModelHandle`.  Per request it keeps the token sequence and a
+Implements :class:`cluster.core.interfaces.ModelHandle`.  Per request it keeps the token sequence and a
 ``DynamicCache`` covering ``cached`` of those tokens; a forward pass feeds ``tokens[cached:]``.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class _Request:
 
 
 class HFWorker:
-    """Hosts one causal LM; all calls are per request id (see :class:`cluster.model.ModelHandle`)."""
+    """Hosts one causal LM; all calls are per request id (see :class:`cluster.core.interfaces.ModelHandle`)."""
 
     def __init__(self, model: torch.nn.Module, name: str, *, max_length: int | None = None):
         self.model = model.eval()
@@ -95,9 +95,10 @@ class HFWorker:
         return out, torch.stack(logits)                                 # [k], [k, V]
 
     def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
-        """SpecDec++ drafting (paper 003, Algorithm 1): like :meth:`propose`, but the forward pass that
-        yields q_i also yields the final hidden state e_{i-1} of candidate i-1, and drafting stops once
-        1 - prod sigmoid(head(e)) > ``threshold`` (:func:`cluster.specdec_head.stop_after`), at most
+        """SpecDec++ drafting (Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive
+        Candidate Lengths*, Algorithm 1): like :meth:`propose`, but the forward pass that yields q_i also
+        yields the final hidden state e_{i-1} of candidate i-1, and drafting stops once
+        1 - prod sigmoid(head(e)) > ``threshold`` (:func:`cluster.core.draft_stop.stop_after`), at most
         ``k_max`` tokens.  ``head``: an AcceptanceHead or its directory (picklable for remote handles)."""
         head = resolve_head(head)
         req = self._get(rid)

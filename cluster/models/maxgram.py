@@ -30,8 +30,9 @@ class MagHandle:
     ``propose`` returns one-hot logits ``[k, V]`` (0 at the proposed token, -inf elsewhere) so the
     core verifies against a deterministic drafter; ``score`` returns MaG's one-hot prediction at each
     of the L+1 positions (MaG as a deterministic "model").  ``num_params`` is the bigram table size
-    (paper 002, section 5.2: "a bigram model with parameters equal to the tokenizer size"), so the
-    standardized walltime improvement charges it (almost) nothing.
+    (Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*, section 5.2: "a bigram
+    model with parameters equal to the tokenizer size"), so the standardized walltime improvement charges
+    it (almost) nothing.
     """
 
     def __init__(self, vocab_size: int, bigram: np.ndarray | None = None, *, name: str = "mag",

@@ -2,7 +2,7 @@
 
 The drafters are truncations of the target (its first layers, sharing its embeddings and head), so
 they agree with it often enough to exercise acceptance, bonus and rejection paths without any
-training.  All share :class:`cluster.tokenizer.ByteTokenizer`'s vocabulary.
+training.  All share :class:`cluster.models.tokenizer.ByteTokenizer`'s vocabulary.
 """
 from __future__ import annotations
 

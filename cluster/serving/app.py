@@ -1,4 +1,6 @@
-"""app: moved from cluster.serve_app."""
+"""The Ray Serve deployment: one replica = one serving unit (a coordinator and its actors), serving the
+gRPC API (:mod:`cluster.serving.grpc_api`) through Serve's gRPC proxy and the OpenAI-style HTTP API
+(:mod:`cluster.serving.http_api`); plus ``start_serve`` and the ``app_builder`` for ``serve run`` / KubeRay."""
 from __future__ import annotations
 
 import asyncio
@@ -210,7 +212,7 @@ def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = Fal
 
 
 def app_builder(args: dict):
-    """Serve application builder (``import_path: cluster.serve_app:app_builder``, ``args: {config: PATH}``):
+    """Serve application builder (``import_path: cluster.serving.app:app_builder``, ``args: {config: PATH}``):
     what a KubeRay RayService's ``serveConfigV2`` deploys (see k8s/).  The Serve config's
     ``grpc_options`` / ``http_options`` must match the config's ``cluster`` ports."""
     return build_app(load_config(args.get("config", "configs/local.yaml")))

@@ -1,6 +1,6 @@
 """A small gRPC client for the cluster (``specserve client`` uses it; programs can too).
 
-    from cluster.client import SpecServeClient
+    from cluster.serving.client import SpecServeClient
     with SpecServeClient("127.0.0.1:9000") as c:
         c.wait_ready()
         r = c.generate("def fib(n):", max_new_tokens=32, strategy="speculative", options={"k": 4})

@@ -2,12 +2,12 @@
 
 It starts the unit's actors (the target, or its tensor-parallel group, and -- in the ``separated``
 topology -- one actor per drafter), builds :class:`cluster.engine.Engine` over
-:class:`cluster.remote.RemoteHandle` s (drafters of the ``default`` topology run in-process), and
+:class:`cluster.serving.remote.RemoteHandle` s (drafters of the ``default`` topology run in-process), and
 serves many requests concurrently: ``max_concurrent`` decode at once on a thread pool, up to
 ``max_queue`` more wait, and beyond that a request is refused with
 :class:`cluster.errors.OverloadedError`.  A request's state is released on every model when it ends,
 fails or is cancelled (the engine's ``finally``), and a cancelled request stops after its current
-step.  This module is what the Ray Serve deployment (:mod:`cluster.serve_app`) runs.
+step.  This module is what the Ray Serve deployment (:mod:`cluster.serving.app`) runs.
 """
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from cluster.config.schema import Config
 from cluster.engine.engine import Engine
-from cluster.engine.request import GenerationRequest, GenerationResult, StreamChunk
+from cluster.engine.request import (
+    GenerationRequest,
+    GenerationResult,
+    PreparedRequest,
+    StreamChunk,
+)
 from cluster.errors import OverloadedError, ParamError
 from cluster.serving.unit import build_unit
 from cluster.strategies import REGISTRY
@@ -66,19 +71,18 @@ class Coordinator:
         self.ready = False
 
     # -- admission ------------------------------------------------------------------------------
-    def validate(self, req: GenerationRequest) -> GenerationRequest:
-        """Range-check ``req`` (raises ParamError); fixes its seed and request id."""
-        _, strategy, seed = self.engine.prepare(req)
-        return replace(req, seed=seed, strategy=strategy.name, request_id=req.request_id or uuid.uuid4().hex)
+    def validate(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
+        """Validate and tokenize ``req`` once (raises ParamError): the prepared request flows down."""
+        return self.engine.prepare(req)
 
-    def _admit(self, req: GenerationRequest) -> Live:
+    def _admit(self, req: PreparedRequest) -> Live:
         with self._lock:
-            if req.request_id in self._live:
-                raise ParamError("request_id", "an id not used by a live request", req.request_id)
+            if req.rid in self._live:
+                raise ParamError("request_id", "an id not used by a live request", req.rid)
             if len(self._live) >= self.max_concurrent + self.max_queue:
                 raise OverloadedError(f"server busy: {len(self._live)} requests in flight "
                                       f"(max_concurrent {self.max_concurrent} + max_queue {self.max_queue})")
-            live = self._live[req.request_id] = Live(req.request_id, req.strategy, time.perf_counter())
+            live = self._live[req.rid] = Live(req.rid, req.strategy_name, time.perf_counter())
             return live
 
     def _finish(self, live: Live) -> None:
@@ -115,7 +119,7 @@ class Coordinator:
                 cancel.set()
                 if fut.cancel():                 # still queued: never started
                     self._finish(live)
-                    self._record(req.strategy, "cancelled", None, live)
+                    self._record(req.strategy_name, "cancelled", None, live)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         async for chunk in self.stream(req):
@@ -123,7 +127,7 @@ class Coordinator:
                 return chunk.result
         raise RuntimeError("generation ended without a result")
 
-    def _run(self, req: GenerationRequest, live: Live, emit: Callable, cancel: threading.Event) -> None:
+    def _run(self, req: PreparedRequest, live: Live, emit: Callable, cancel: threading.Event) -> None:
         """Worker thread: drive the engine's generator, stopping between steps when cancelled."""
         outcome, result, generated = "error", None, 0
         try:
@@ -144,11 +148,11 @@ class Coordinator:
             finally:
                 gen.close()                      # engine's finally: release on every model
         except BaseException as e:               # noqa: BLE001 - handed to the consumer
-            log.exception("request %s failed", req.request_id)
+            log.exception("request %s failed", req.rid)
             emit("error", e)
         finally:
             self._finish(live)
-            self._record(req.strategy, outcome, result, live, generated)
+            self._record(req.strategy_name, outcome, result, live, generated)
 
     def _record(self, strategy: str, outcome: str, result, live: Live, generated: int = 0) -> None:
         self.recent.append((live.rid, strategy, outcome, len(result.token_ids) if result else generated))

@@ -1,7 +1,7 @@
 """The Ray Serve application: gRPC ``specserve.v1.SpecServe`` + OpenAI-compatible ``/v1/completions``.
 
 One deployment replica = one serving unit (coordinator + its drafters + its target group, see
-:mod:`cluster.coordinator`), so ``cluster.replicas`` scales whole units.  gRPC goes through Serve's
+:mod:`cluster.serving.coordinator`), so ``cluster.replicas`` scales whole units.  gRPC goes through Serve's
 gRPC proxy (methods ``Generate``, ``GenerateStream``, ``ServerInfo`` and the standard
 ``grpc.health.v1.Health/Check``, SERVING only after warm-up); HTTP through Serve's HTTP proxy
 (``POST /v1/completions`` incl. ``"stream": true`` as server-sent events, ``GET /v1/models``,

@@ -1,4 +1,4 @@
-"""http_api: moved from cluster.serve_app."""
+"""The OpenAI-compatible ``/v1/completions`` request parsing and response/error shapes."""
 from __future__ import annotations
 
 from typing import Any

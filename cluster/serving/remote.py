@@ -1,4 +1,4 @@
-"""A :class:`cluster.model.ModelHandle` over Ray actors, so the unchanged engine drives remote models.
+"""A :class:`cluster.core.interfaces.ModelHandle` over Ray actors, so the unchanged engine drives remote models.
 
 Calls that return nothing (``prefill``, ``rollback``, ``extend``) are queued per request and sent
 with the next ``propose`` / ``score``: one round trip per model per decoding step.  A handle wraps an

@@ -1,5 +1,5 @@
 """Decoding strategies, registered by name. Importing this package registers all of them."""
-from cluster.strategies import (
+from cluster.strategies import (  # noqa: F401  importing each strategy module registers it
     autoregressive,
     cascade,
     cs_drafting,

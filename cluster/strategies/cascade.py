@@ -1,17 +1,19 @@
 """Speculative cascades, lossy speculative sampling, and the cascades they are compared against.
 
 * ``spec_cascade``   draft k tokens, score them in one target pass, verify with GenSpecSample against
-  the cascade's target distribution pi = T(q, p) (paper 000, Algorithm 5; token-specific rules from
-  paper 001, section 5).
-* ``lossy``          the same with pi = the lossy speculative sampling target (paper 000, Table 1).
-* ``token_cascade``  the sequential token-level cascade TokenCascade[Chow] (paper 000, Algorithm 2):
-  the drafter samples token by token; the target runs only when Chow's rule defers.
-* ``oracle_cascade`` the oracle cascade (paper 000, Algorithm 3): both models at every position, the
-  token drawn from pi directly (a quality reference; one target call per token).
+  the cascade's target distribution pi = T(q, p) (Narasimhan et al., *Faster Cascades via Speculative Decoding*,
+  Algorithm 5; token-specific rules from the later version of the same paper, section 5).
+* ``lossy``          the same with pi = the lossy speculative sampling target (Narasimhan et al. 2024,
+  Faster Cascades, Table 1).
+* ``token_cascade``  the sequential token-level cascade TokenCascade[Chow] (Narasimhan et al. 2024, Faster Cascades,
+  Algorithm 2): the drafter samples token by token; the target runs only when Chow's rule defers.
+* ``oracle_cascade`` the oracle cascade (Narasimhan et al. 2024, Faster Cascades, Algorithm 3): both models at every
+  position, the token drawn from pi directly (a quality reference; one target call per token).
 
 None of them is lossless (``lossless = False``): each is tested to emit exactly its own pi.
-Temperature / top-p follow paper 001, appendix C: rules read the unscaled distributions (softmax of
-the raw logits), the mixture / lossy target uses the scaled ones that are actually sampled.
+Temperature / top-p follow Narasimhan et al., Faster Cascades (later version), appendix C: rules read the unscaled
+distributions (softmax of the raw logits), the mixture / lossy target uses the scaled ones that are actually
+sampled.
 """
 from __future__ import annotations
 

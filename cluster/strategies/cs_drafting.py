@@ -1,4 +1,5 @@
-"""Cascade Speculative Drafting (paper 002, Chen et al.): vertical + horizontal cascades, exact under sampling.
+"""Cascade Speculative Drafting (Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*):
+vertical + horizontal cascades, exact under sampling.
 
 Models: the target (index 0) and an ordered drafter list ``drafters`` = [d_1, ..., d_n] (largest first;
 normally ending with the Max-Gram drafter ``mag``).  Only the last drafter ever *proposes*; every other
@@ -25,8 +26,9 @@ the target reviews a draft made of 2 review steps of drafter-small (each over 10
 * greedy (temperature 0): a draft token x with proposal probability q(x) is accepted if it is the
   reviewer's argmax or q(x) <= l * p(x) (p: the reviewer's temperature-1 softmax); on rejection the
   reviewer's argmax is emitted;
-* sampling: GenSpecSample (paper 000, Algorithm 4) with pi = lossy_target(q, p, alpha = 1 - 1/l)
-  (:func:`cluster.cascades.lossy_target`); l = 1 is plain speculative sampling (pi = p).
+* sampling: GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Algorithm 4) with
+  pi = lossy_target(q, p, alpha = 1 - 1/l) (:func:`cluster.core.cascade_targets.lossy_target`); l = 1 is
+  plain speculative sampling (pi = p).
 
 **Exactness.** Each level hands up, with every token it emits, the distribution that token was drawn
 from given everything before it: the reviewer's pi_i for an accepted or resampled token, the reviewer's
@@ -177,7 +179,7 @@ def _is_mag(handle) -> bool:
 
 
 class _Cascade:
-    """One CS Drafting step's recursion (paper 002, Algorithm "CascadeSpeculativeDraftingStep").
+    """One CS Drafting step's recursion (Chen et al. 2024, CS Drafting, Algorithm "CascadeSpeculativeDraftingStep").
 
     ``tails[name]`` mirrors each handle's tokens beyond the committed sequence, so a model is brought
     to any working sequence with one rollback + extend (:meth:`sync`) before it is used.

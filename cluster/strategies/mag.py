@@ -1,4 +1,5 @@
-"""Speculative decoding with the Max-Gram (MaG) drafter alone (paper 002, section 3.3).
+"""Speculative decoding with the Max-Gram (MaG) drafter alone (Chen et al., *Cascade Speculative Drafting
+for Even Faster LLM Inference*, section 3.3).
 
 MaG's proposals are deterministic (one-hot q), so token verification accepts x w.p. p(x) and
 recovers from p with x removed: exact, at the cost of nothing but the target's forward passes.

@@ -1,6 +1,7 @@
-"""SpecDec++ (paper 003, Huang et al., Algorithm 1): speculative sampling with an adaptive draft length.
+"""SpecDec++ (Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths*,
+Algorithm 1): speculative sampling with an adaptive draft length.
 
-The drafter proposes until its acceptance-prediction head (:mod:`cluster.specdec_head`) predicts that
+The drafter proposes until its acceptance-prediction head (:mod:`cluster.models.head`) predicts that
 some candidate is rejected with probability above ``threshold``, at most ``k_max`` tokens; then the
 target verifies as in plain speculative sampling.  The stopping rule looks only at the drafted tokens
 (a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early: fixed k = k_max.

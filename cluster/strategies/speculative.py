@@ -1,7 +1,7 @@
 """Speculative sampling with one neural drafter (Leviathan et al. 2023; Chen et al. 2023).
 
 Each step: the drafter proposes k tokens (k forward passes), the target scores them in one forward
-pass, and a verifier from :data:`cluster.verify.VERIFIERS` keeps a prefix plus one more token.
+pass, and a verifier from :data:`cluster.core.verifiers.VERIFIERS` keeps a prefix plus one more token.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Block verification (paper 004): exact losslessness, exact expected accepted length, greedy equality."""
+"""Block verification (Sun et al., *Optimal Block-Level Draft Verification for Accelerating Speculative Decoding*):
+exact losslessness, exact expected accepted length, greedy equality."""
 import pytest
 import torch
 
@@ -116,7 +117,7 @@ def test_literal_rescue():
 
 def test_underflow_in_log_space():
     """Long drafts whose per-token ratios are tiny then huge: the clipped product survives in log space."""
-    L, V = 40, 3
+    L = 40
     q = torch.tensor([[1e-12, 1 - 1e-12, 0.0]] * L, dtype=torch.float64)
     p = torch.tensor([[0.5, 0.5, 0.0]] * (L + 1), dtype=torch.float64)
     draft = [0] * L       # each ratio 0.5 / 1e-12 -> clipped at 1 immediately

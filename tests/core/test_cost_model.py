@@ -1,4 +1,5 @@
-"""EWIF formulas (paper 002, section 4) against Monte Carlo simulation of i.i.d. acceptance; SWI."""
+"""EWIF formulas (Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*, section 4) against Monte
+Carlo simulation of i.i.d. acceptance; SWI."""
 import random
 
 import pytest

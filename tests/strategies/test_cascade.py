@@ -59,7 +59,8 @@ def test_cascade_rules_literal():
 
 
 def test_rules_read_unscaled_mixture_uses_scaled():
-    """Paper 001 appendix C.1: the decision comes from the raw distributions, the mix from the scaled ones."""
+    """The later version of Narasimhan et al., *Faster Cascades via Speculative Decoding*, appendix C.1: the
+    decision comes from the raw distributions, the mix from the scaled ones."""
     q_raw = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     q = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)     # e.g. greedy
     p = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
