@@ -1,42 +1,50 @@
-"""The speculative decoding engine: validates a request, runs a strategy's steps, applies stop rules.
+"""The engine: requests in, tokens out, many requests per forward pass (continuous batching).
 
-It holds model handles (in-process workers or remote actor handles, :class:`cluster.core.interfaces.ModelHandle`) and is
-otherwise stateless between requests, so one engine serves many concurrent requests.
+Three roles, as in nano-vllm: admission (:mod:`cluster.engine.validate`: a request becomes one
+:class:`PreparedRequest`), the :class:`Scheduler` (who runs; no torch), and the model handles (who own
+the device).  :meth:`Engine.step` glues them: requests join between steps (their prompts prefilled in
+one batched call per model), every running request's strategy step advances together -- their model
+calls grouped per model into one batched call per round (:mod:`cluster.engine.batching`) -- and each
+request's tokens go through its stop rules and out as a :class:`StreamChunk`.  A batch of one is just a
+case of it; in-process (CLI, tests, benchmarks) and the cluster (over remote handles) run this same loop.
 """
 from __future__ import annotations
 
-import os
-import time
-import uuid
-from typing import Any, Iterator
+import logging
+import threading
+from typing import Any, Callable, Iterator
 
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
+from cluster.engine.batching import group_calls, prefill, run_group
 from cluster.engine.request import (
-    MAX_SEED,
-    MAX_STOP_LEN,
-    MAX_STOP_STRINGS,
     GenerationRequest,
     GenerationResult,
     PreparedRequest,
     StreamChunk,
 )
+from cluster.engine.scheduler import Limits, Scheduler
+from cluster.engine.sequence import FINISHED, Sequence
 from cluster.engine.stop import StopDecoder
-from cluster.errors import ParamError, check_int
-from cluster.strategies import REGISTRY, StepContext, resolve_options
+from cluster.engine.validate import prepare
+from cluster.errors import ParamError
+from cluster.strategies import StepContext
+
+log = logging.getLogger("specserve.engine")
 
 
 class Engine:
-    """Runs any registered strategy over a set of model handles.
+    """Runs any registered strategy, for many requests at once, over a set of model handles.
 
     ``models`` maps names to handles and must contain ``target``; ``defaults`` holds default strategy
-    options (from the config), ``max_new_tokens_limit`` the server-side cap.
+    options (from the config), ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue
+    sizes and KV budget; ``planner`` (optional) picks each step's draft lengths from load.
     """
 
     def __init__(self, models: dict[str, ModelHandle], tokenizer: Tokenizer, *, target: str = "target",
                  default_strategy: str = "speculative", defaults: dict[str, Any] | None = None,
-                 max_new_tokens_limit: int = 1024, rng_factory=Rng):
+                 max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None):
         if target not in models:
             raise ValueError(f"models must include the target {target!r}")
         self.models, self.tokenizer, self.target = dict(models), tokenizer, target
@@ -45,44 +53,137 @@ class Engine:
         self.max_new_tokens_limit = max_new_tokens_limit
         self.rng_factory = rng_factory      # seed -> Rng; the exact-enumeration tests swap it
         self.vocab_size = min(m.vocab_size for m in self.models.values())
+        self.scheduler = Scheduler(limits)
+        self.planner = planner
+        self._lock = threading.RLock()      # add/abort may come from other threads than step()
+        self._live: dict[str, Sequence] = {}
+        self._aborted: set[str] = set()
 
-    # -- validation ---------------------------------------------------------------------------
+    # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
         """Validate and tokenize ``req`` once (raises ParamError); a prepared request passes through."""
         if isinstance(req, PreparedRequest):
             return req
-        if req.prompt_ids is not None and len(req.prompt_ids) > 0:
-            ids = list(req.prompt_ids)
-            for i in ids:
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                    raise ParamError("prompt_ids", f"token ids in [0, {self.vocab_size - 1}]", i)
-        elif req.prompt:
-            ids = self.tokenizer.encode(req.prompt)
-        else:
-            raise ParamError("prompt", "non-empty text or token ids", req.prompt or "")
-        if not ids:
-            raise ParamError("prompt", "text that encodes to at least one token", req.prompt)
-        max_new = check_int("max_new_tokens", req.max_new_tokens, 1, self.max_new_tokens_limit)
-        name = req.strategy or self.default_strategy
-        if name not in REGISTRY:
-            raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), name)
-        opts = resolve_options(name, req.options, self.defaults)
-        strategy = REGISTRY[name](opts, self.models, self.target)
-        max_len = min(self.models[r].max_length for r in strategy.roles())
-        if len(ids) + max_new > max_len:
-            raise ParamError("prompt", f"at most {max_len - max_new} tokens with max_new_tokens={max_new} "
-                             f"(model length {max_len})", f"{len(ids)} tokens")
-        if len(req.stop) > MAX_STOP_STRINGS:
-            raise ParamError("stop", f"at most {MAX_STOP_STRINGS} strings", len(req.stop))
-        for s in req.stop:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
-                raise ParamError("stop", f"strings of 1 to {MAX_STOP_LEN} characters", s)
-        seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
-        seed = check_int("seed", seed, 0, MAX_SEED)
-        return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
-                               tuple(req.stop), req.ignore_eos, strategy)
+        return prepare(req, self.models, self.tokenizer, self.target, default_strategy=self.default_strategy,
+                       defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
+                       vocab_size=self.vocab_size)
 
-    # -- generation ---------------------------------------------------------------------------
+    def add(self, req: GenerationRequest | PreparedRequest,
+            sink: Callable[[StreamChunk], None] | None = None) -> Sequence:
+        """Queue a request (it joins the batch at the next step); raises ParamError / OverloadedError."""
+        req = self.prepare(req)
+        stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
+        ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
+                          list(req.prompt_ids), 0)
+        eos = None if req.ignore_eos else self.tokenizer.eos_token_id
+        seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink)
+        with self._lock:
+            if req.rid in self._live:
+                raise ParamError("request_id", "an id not used by a live request", req.rid)
+            self.scheduler.add(seq)
+            self._live[req.rid] = seq
+        return seq
+
+    def abort(self, rid: str) -> bool:
+        """Stop request ``rid`` at the next step boundary and free its state; False if it is not live."""
+        with self._lock:
+            if rid not in self._live:
+                return False
+            self._aborted.add(rid)
+            return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One engine step for every running request; returns the requests that ended in it."""
+        with self._lock:
+            ended = [self._live[rid] for rid in self._aborted if rid in self._live]
+            self._aborted.clear()
+            for seq in ended:
+                seq.finish = "cancelled"
+                self._end(seq)
+            joined = self.scheduler.schedule()
+        if joined:
+            self._prefill(joined)
+        running = [s for s in self.scheduler.running if s.status != FINISHED]
+        for seq in running:
+            seq.begin_step()
+        if self.planner is not None:
+            self.planner.plan(running)
+        for seq, out in self._run_steps(running).items():
+            if isinstance(out, BaseException):
+                self._fail(seq, out)
+                ended.append(seq)
+                continue
+            chunk = seq.accept(out)
+            seq.emit(chunk)
+            if seq.finish is not None:
+                self._end(seq)
+                ended.append(seq)
+        return ended
+
+    def _prefill(self, joined: list[Sequence]) -> None:
+        for name in dict.fromkeys(r for s in joined for r in s.req.strategy.roles()):
+            items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
+            try:
+                prefill(self.models[name], [(s.rid, list(s.req.prompt_ids), s.req.sampling, s.req.seed)
+                                            for s in items])
+            except Exception as e:                       # noqa: BLE001 - fails these requests only
+                for s in items:
+                    self._fail(s, e)
+
+    def _run_steps(self, running: list[Sequence]) -> dict[Sequence, Any]:
+        """Advance every request's strategy step to completion, batching their model calls per round."""
+        gens, pending, out = {}, {}, {}
+        for seq in running:
+            gens[seq] = seq.req.strategy.step(seq.ctx)
+            self._advance(seq, gens[seq], None, pending, out)
+        while pending:
+            for (model, kind), seqs in group_calls(pending, self.target).items():
+                try:
+                    results = run_group(self.models[model], kind, [(s.rid, pending[s]) for s in seqs])
+                except Exception as e:                   # noqa: BLE001 - fails this group's requests only
+                    results = [e] * len(seqs)
+                for seq, result in zip(seqs, results):
+                    del pending[seq]
+                    if isinstance(result, BaseException):
+                        gens[seq].close()
+                        out[seq] = result
+                    else:
+                        self._advance(seq, gens[seq], result, pending, out)
+        return out
+
+    @staticmethod
+    def _advance(seq, gen, value, pending, out) -> None:
+        try:
+            pending[seq] = gen.send(value)
+        except StopIteration as stop:
+            out[seq] = stop.value
+        except Exception as e:                           # noqa: BLE001 - a strategy error fails its request
+            out[seq] = e
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        log.error("request %s failed: %s: %s", seq.rid, type(error).__name__, error)
+        seq.error, seq.finish = error, "error"
+        self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        """Release the request's state on every model it used and take it out of the batch."""
+        if seq.status == FINISHED:
+            return
+        for name in seq.req.strategy.roles():
+            try:
+                self.models[name].release(seq.rid)
+            except Exception:                            # noqa: BLE001 - a dead model must not block others
+                log.exception("release of %s on %s failed", seq.rid, name)
+        with self._lock:
+            self.scheduler.remove(seq)
+            self._live.pop(seq.rid, None)
+
+    # -- one request, driven in the caller's thread --------------------------------------------------
     def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
         for chunk in self.stream(req):
             pass
@@ -90,45 +191,29 @@ class Engine:
 
     def stream(self, req: GenerationRequest | PreparedRequest) -> Iterator[StreamChunk]:
         """Yield one :class:`StreamChunk` per step; the last one carries the :class:`GenerationResult`.
-
-        Every model's per-request state is released when the generator ends, fails or is closed.
-        """
-        req = self.prepare(req)
-        ids, strategy, seed, rid = list(req.prompt_ids), req.strategy, req.seed, req.rid
-        stats = RequestStats(strategy=strategy.name, prompt_tokens=len(ids))
-        ctx = StepContext(rid, self.models, self.target, req.sampling, self.rng_factory(seed), stats,
-                          list(ids), 0)
-        decoder = StopDecoder(self.tokenizer, req.stop)
-        eos = None if req.ignore_eos else self.tokenizer.eos_token_id
-        handles = [self.models[r] for r in strategy.roles()]
-        t0 = time.perf_counter()
+        Closing the iterator cancels the request and releases its state on every model."""
+        seq = self.add(req)
         try:
-            for h in handles:
-                h.prefill(rid, ids, req.sampling, seed)
-            generated: list[int] = []
-            finish = None
-            while finish is None:
-                ctx.budget = req.max_new_tokens - len(generated)
-                new = strategy.step(ctx)
-                if not stats.ttft_s:
-                    stats.ttft_s = time.perf_counter() - t0
-                if eos is not None and eos in new:
-                    new, finish = new[:new.index(eos)], "eos"
-                new = new[:req.max_new_tokens - len(generated)]
-                ctx.tokens.extend(new)
-                generated.extend(new)
-                text, stopped = decoder.push(generated)
-                if stopped is not None:
-                    generated, finish = generated[:stopped], "stop"
-                elif finish is None and len(generated) >= req.max_new_tokens:
-                    finish = "length"
-                if finish is not None:
-                    text += decoder.flush()
-                stats.generated_tokens = len(generated)
-                stats.wall_s = time.perf_counter() - t0
-                result = None if finish is None else \
-                    GenerationResult(generated, decoder.text, finish, stats, seed, rid)
-                yield StreamChunk(new if stopped is None else [], text, finish, result)
+            while True:
+                if seq.status != FINISHED:
+                    self.step()
+                while seq.chunks:
+                    yield seq.chunks.pop(0)
+                if seq.status == FINISHED:
+                    break
+            if seq.error is not None:
+                raise seq.error
         finally:
-            for h in handles:
-                h.release(rid)
+            if seq.status != FINISHED:
+                self.abort(seq.rid)
+                self.step()
+
+    def generate_many(self, reqs: list[GenerationRequest | PreparedRequest]) -> list[GenerationResult]:
+        """Run ``reqs`` together (continuous batching within this call); results in order."""
+        seqs = [self.add(r) for r in reqs]
+        while any(s.status != FINISHED for s in seqs):
+            self.step()
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        return [s.chunks[-1].result for s in seqs]

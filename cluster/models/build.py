@@ -22,7 +22,7 @@ from cluster.config.paths import HEAD_DIR, default_bigram_path, zoo_dir
 from cluster.config.schema import Config, ModelSpec
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.errors import ConfigError
-from cluster.models.hf import HFWorker
+from cluster.models.batched import BatchedHFWorker
 from cluster.models.maxgram import MagHandle, load_bigram
 from cluster.models.tiny import tiny_llama, truncated
 from cluster.models.tokenizer import ByteTokenizer, HFTokenizer
@@ -66,7 +66,7 @@ def checkpoint_dir(cfg: Config, name: str) -> Path:
 
 
 def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | None = None) -> ModelHandle:
-    """The handle for model ``name`` of ``cfg``: an :class:`HFWorker` (sharded over the current process
+    """The handle for model ``name`` of ``cfg``: a :class:`BatchedHFWorker` (sharded over the current process
     group when ``tp_size > 1``), or the Max-Gram drafter for the ``mag:`` section's name (it needs the
     target's ``vocab_size``)."""
     if cfg.mag is not None and name == cfg.mag.name:
@@ -77,11 +77,11 @@ def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | 
     spec = cfg.models[name]
     if tp_size > 1:
         from transformers.distributed import DistributedConfig  # only where TP is used
-        return HFWorker.from_pretrained(checkpoint_dir(cfg, name), name, dtype=spec.dtype, device=spec.device,
+        return BatchedHFWorker.from_pretrained(checkpoint_dir(cfg, name), name, dtype=spec.dtype, device=spec.device,
                                         distributed_config=DistributedConfig(tp_size=tp_size))
     if spec.tiny is not None:
-        return HFWorker(_tiny_model(cfg, name).to(getattr(torch, spec.dtype)), name)
-    worker = HFWorker.from_pretrained(model_path(cfg, spec), name, dtype=spec.dtype, device=spec.device)
+        return BatchedHFWorker(_tiny_model(cfg, name).to(getattr(torch, spec.dtype)), name)
+    worker = BatchedHFWorker.from_pretrained(model_path(cfg, spec), name, dtype=spec.dtype, device=spec.device)
     if spec.zoo is not None:                     # the family's SpecDec++ acceptance head, when built
         head = zoo_dir(cfg) / HEAD_DIR / spec.zoo
         if (head / "head.json").is_file():

@@ -9,7 +9,11 @@ from cluster.strategies import (  # noqa: F401  importing each strategy module r
 )
 from cluster.strategies.base import (
     REGISTRY,
+    ModelCall,
     Option,
+    Propose,
+    ProposeAdaptive,
+    Score,
     StepContext,
     Strategy,
     all_options,
@@ -17,4 +21,4 @@ from cluster.strategies.base import (
     resolve_options,
 )
 
-__all__ = ["REGISTRY", "Option", "StepContext", "Strategy", "all_options", "register", "resolve_options"]
+__all__ = ["REGISTRY", "ModelCall", "Option", "Propose", "ProposeAdaptive", "Score", "StepContext", "Strategy", "all_options", "register", "resolve_options"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cluster.core.sampling import sample
-from cluster.strategies.base import StepContext, Strategy, register
+from cluster.strategies.base import Score, StepContext, Strategy, register
 
 
 @register
@@ -13,8 +13,8 @@ class Autoregressive(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name]
 
-    def step(self, ctx: StepContext) -> list[int]:
-        p = ctx.probs(ctx.target.score(ctx.rid, []))        # [1, V]
+    def step(self, ctx: StepContext):
+        p = ctx.probs((yield Score(self.target_name, ())))  # [1, V]
         ctx.stats.forward(self.target_name, target=True)
         tok = sample(p[0], ctx.rng)
         ctx.commit([ctx.target], 0, [tok])

@@ -1,13 +1,23 @@
-"""What a decoding strategy is, and the typed options it declares.
+"""What a decoding strategy is, the model calls its steps yield, and the typed options it declares.
 
-A strategy is a small object with ``roles()`` (the models it needs) and ``step(ctx)`` (emit one or
-more tokens).  Options are declared once, as :class:`Option` objects; the CLI flags, YAML defaults
-and the gRPC request's options map are all parsed and range-checked through them.
+A strategy is a small object with ``roles()`` (the models it needs) and ``step(ctx)``: a generator that
+reads like per-request code but *yields* each forward-pass call (:class:`Propose`, :class:`Score`,
+:class:`ProposeAdaptive`) and receives its result, and finally returns the tokens the step emits::
+
+    draft, q_logits = yield Propose(drafter, k)      # [k], [k, V]
+    p_logits = yield Score(target, draft)            # [k+1, V]
+    ...
+    return accepted + [next_token]
+
+The engine runs the steps of every live request together and groups their calls per model into one
+batched call, so a strategy never sees the batch.  Bookkeeping that costs no forward pass (rollback,
+extend) is called on the handles directly.  Options are declared once, as :class:`Option` objects; the
+CLI flags, YAML defaults and the gRPC request's options map are all parsed and range-checked through them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Generator
 
 import torch
 
@@ -49,6 +59,36 @@ class Option:
         return check_choice(self.name, value, choices) if choices else value
 
 
+@dataclass(frozen=True)
+class Propose:
+    """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``."""
+
+    model: str
+    k: int
+
+
+@dataclass(frozen=True)
+class ProposeAdaptive:
+    """SpecDec++ drafting with ``model``: at most ``k_max`` tokens, stopping by the acceptance ``head``'s
+    rule at ``threshold`` -> ``(tokens [K], raw logits [K, V])``."""
+
+    model: str
+    k_max: int
+    head: Any
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Score:
+    """Append ``draft`` and run one forward pass of ``model`` -> raw logits ``[L+1, V]``."""
+
+    model: str
+    draft: tuple[int, ...]
+
+
+ModelCall = Propose | ProposeAdaptive | Score
+
+
 @dataclass
 class StepContext:
     """Everything a strategy's step may touch for one request."""
@@ -61,6 +101,7 @@ class StepContext:
     stats: RequestStats
     tokens: list[int]          # committed sequence: prompt + tokens emitted so far
     budget: int                # the step may emit at most this many tokens (>= 1)
+    planned_k: int | None = None   # draft length chosen by the engine's load-aware planner, if enabled
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
 
     @property
@@ -93,7 +134,8 @@ class Strategy:
     def roles(self) -> list[str]:
         raise NotImplementedError
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext) -> Generator[ModelCall, Any, list[int]]:
+        """Yield model calls, receive their results, return the emitted tokens (at least one)."""
         raise NotImplementedError
 
     # helpers shared by strategies

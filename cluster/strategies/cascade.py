@@ -27,7 +27,14 @@ from cluster.core.cascade_targets import (
 from cluster.core.sampling import UNSCALED, logits_to_probs, sample
 from cluster.core.verify import gen_spec_verify
 from cluster.errors import ParamError
-from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.base import (
+    Option,
+    Propose,
+    Score,
+    StepContext,
+    Strategy,
+    register,
+)
 from cluster.strategies.speculative import DRAFTER, K
 
 ALPHA = Option("alpha", float, 0.1,
@@ -49,16 +56,16 @@ class _Cascade(Strategy):
         return [self.target_name, self.drafter]
 
 
-def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn) -> list[int]:
+def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn):
     """One draft-score-GenSpecSample step with pi = target_fn(q, p, q_raw, p_raw) (``[k, V]`` each).
 
     Drafts up to the whole remaining budget so every emitted token inside the budget sits at a draft
     position (distributed as pi); a bonus token from p past the budget is cut by the engine.
     """
     drafter, target = ctx.models[drafter_name], ctx.target
-    draft, q_logits = drafter.propose(ctx.rid, k)                  # [k], [k, V]
+    draft, q_logits = yield Propose(drafter_name, k)               # [k], [k, V]
     ctx.stats.forward(drafter_name, len(draft))
-    p_logits = target.score(ctx.rid, draft)                        # [k+1, V]
+    p_logits = yield Score(ctx.target_name, tuple(draft))          # [k+1, V]
     ctx.stats.forward(ctx.target_name, target=True)
     q, p = ctx.probs(q_logits), ctx.probs(p_logits)                # scaled: what is sampled
     pi = target_fn(q, p[:k], logits_to_probs(q_logits, UNSCALED), logits_to_probs(p_logits[:k], UNSCALED))
@@ -78,7 +85,7 @@ class SpecCascade(_Cascade):
         super().__init__(opts, models, target)
         self.k, self.rule = opts["k"], opts["rule"]
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         fn = lambda q, p, q_raw, p_raw: cascade_target(q, p, self.rule, self.alpha, q_raw, p_raw)
         return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn)
 
@@ -95,7 +102,7 @@ class Lossy(_Cascade):
             raise ParamError("alpha", "number in [0, 1) for strategy lossy", self.alpha)
         self.k = opts["k"]
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         fn = lambda q, p, q_raw, p_raw: lossy_target(q, p, self.alpha)
         return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn)
 
@@ -106,17 +113,17 @@ class TokenCascade(_Cascade):
     help = "sequential token cascade (Chow): drafter samples; the target runs only where max q < 1 - alpha"
     options = (DRAFTER, ALPHA)
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         drafter, target = ctx.models[self.drafter], ctx.target
         kept: list[int] = []
         while len(kept) < min(ctx.budget, MAX_RUN):
-            toks, q_logits = drafter.propose(ctx.rid, 1)                       # [1], [1, V]
+            toks, q_logits = yield Propose(self.drafter, 1)                    # [1], [1, V]
             ctx.stats.forward(self.drafter, 1)
             if not bool(defer_chow(logits_to_probs(q_logits[0], UNSCALED), None, self.alpha)):
                 kept += toks                                                   # keep q's sample
                 continue
             # defer: drop the drafter's token; one target pass over the kept run gives p here
-            p = ctx.probs(target.score(ctx.rid, kept)[-1])                     # [V]
+            p = ctx.probs((yield Score(self.target_name, tuple(kept)))[-1])    # [V]
             ctx.stats.forward(self.target_name, target=True)
             tok = sample(p, ctx.rng)
             ctx.commit([target, drafter], len(kept), [tok])
@@ -131,11 +138,11 @@ class OracleCascade(_Cascade):
     help = "oracle cascade reference: both models at every token, sample from the rule's mixture"
     options = (DRAFTER, RULE, ALPHA)
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         drafter, target = ctx.models[self.drafter], ctx.target
-        _, q_logits = drafter.propose(ctx.rid, 1)                              # [1, V]
+        _, q_logits = yield Propose(self.drafter, 1)                           # [1, V]
         ctx.stats.forward(self.drafter, 1)
-        p_logits = target.score(ctx.rid, [])                                   # [1, V]
+        p_logits = yield Score(self.target_name, ())                           # [1, V]
         ctx.stats.forward(self.target_name, target=True)
         pi = cascade_target(ctx.probs(q_logits), ctx.probs(p_logits), self.opts["rule"], self.alpha,
                             logits_to_probs(q_logits, UNSCALED), logits_to_probs(p_logits, UNSCALED))

@@ -48,7 +48,14 @@ from cluster.core.sampling import UNSCALED, logits_to_probs
 from cluster.core.verifiers import VERIFIERS
 from cluster.core.verify import gen_spec_verify
 from cluster.errors import ParamError, check_float
-from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.base import (
+    Option,
+    Propose,
+    Score,
+    StepContext,
+    Strategy,
+    register,
+)
 from cluster.strategies.speculative import VERIFY
 
 MAX_BUDGET = 64
@@ -155,12 +162,11 @@ class CSDrafting(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name, *self.names]
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         run = _Cascade(ctx, self.names, self.K, self.lenience)
-        draft, qs = run.draft(0, [], ctx.budget - 1)                       # [L], L x [V]
-        target = ctx.target
+        draft, qs = yield from run.draft(0, [], ctx.budget - 1)            # [L], L x [V]
         run.sync(self.target_name, [])
-        p = ctx.probs(target.score(ctx.rid, draft))                         # [L+1, V]
+        p = ctx.probs((yield Score(self.target_name, tuple(draft))))       # [L+1, V]
         ctx.stats.forward(self.target_name, target=True)
         q = torch.stack(qs) if qs else p[:0]                               # [L, V]
         verdict = self.verify(draft, q, p, ctx.rng)
@@ -220,14 +226,14 @@ class _Cascade:
             if budget <= 0 or len(toks) >= limit:
                 continue
             if j == n - 1:                                            # the bottom drafter proposes
-                t, q = self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
+                t, q = yield from self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
                 toks += t
                 qs += q
             else:
                 for _ in range(budget):                               # vertical cascade: d_{j+1} reviews
                     if len(toks) >= limit:
                         break
-                    t, q = self.review(j + 1, work + toks, limit - len(toks))
+                    t, q = yield from self.review(j + 1, work + toks, limit - len(toks))
                     toks += t
                     qs += q
         return toks, qs
@@ -235,7 +241,7 @@ class _Cascade:
     def propose(self, name: str, work: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
         h = self.ctx.models[name]
         self.sync(name, work)
-        toks, logits = h.propose(self.ctx.rid, k)                          # [k], [k, V]
+        toks, logits = yield Propose(name, k)                              # [k], [k, V]
         self.tails[name] = work + list(toks)
         self.ctx.stats.forward(name, 1 if _is_mag(h) else len(toks))
         q = self.dist(logits)
@@ -245,9 +251,9 @@ class _Cascade:
         """Drafter m (1-based) reviews the draft of the drafters below it in one forward pass and emits
         the accepted tokens plus one, each with the distribution it was drawn from."""
         name = self.names[m - 1]
-        d, dq = self.draft(m, work, limit - 1)                              # [L], L x [V]
+        d, dq = yield from self.draft(m, work, limit - 1)                   # [L], L x [V]
         self.sync(name, work)
-        logits = self.ctx.models[name].score(self.ctx.rid, d)               # [L+1, V]
+        logits = yield Score(name, tuple(d))                                # [L+1, V]
         self.tails[name] = work + d
         self.ctx.stats.forward(name, 1)
         L, l = len(d), self.lenience

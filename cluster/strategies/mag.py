@@ -9,7 +9,7 @@ from __future__ import annotations
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
 from cluster.strategies.base import StepContext, Strategy, register
-from cluster.strategies.speculative import VERIFY, K, speculative_step
+from cluster.strategies.speculative import VERIFY, K, draft_length, speculative_step
 
 MAG_NAME = "mag"
 
@@ -40,5 +40,5 @@ class Mag(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name, self.mag]
 
-    def step(self, ctx: StepContext) -> list[int]:
-        return speculative_step(ctx, self.mag, min(self.k, ctx.budget - 1), self.verify)
+    def step(self, ctx: StepContext):
+        return speculative_step(ctx, self.mag, draft_length(ctx, self.k), self.verify)

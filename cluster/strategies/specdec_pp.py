@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
-from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.base import (
+    Option,
+    ProposeAdaptive,
+    Score,
+    StepContext,
+    Strategy,
+    register,
+)
 from cluster.strategies.speculative import DRAFTER, VERIFY
 
 K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
@@ -42,13 +49,13 @@ class SpecDecPP(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name, self.drafter]
 
-    def step(self, ctx: StepContext) -> list[int]:
+    def step(self, ctx: StepContext):
         drafter, target = ctx.models[self.drafter], ctx.target
         k = min(self.k_max, ctx.budget - 1)
-        draft, q_logits = drafter.propose_adaptive(ctx.rid, k, self.head, self.threshold) if k > 0 \
+        draft, q_logits = (yield ProposeAdaptive(self.drafter, k, self.head, self.threshold)) if k > 0 \
             else ([], None)                                                     # [K], [K, V]
         ctx.stats.forward(self.drafter, len(draft))
-        p = ctx.probs(target.score(ctx.rid, draft))                            # [K+1, V]
+        p = ctx.probs((yield Score(self.target_name, tuple(draft))))           # [K+1, V]
         ctx.stats.forward(self.target_name, target=True)
         q = ctx.probs(q_logits) if draft else p[:0]
         verdict = self.verify(draft, q, p, ctx.rng)

@@ -6,7 +6,14 @@ pass, and a verifier from :data:`cluster.core.verifiers.VERIFIERS` keeps a prefi
 from __future__ import annotations
 
 from cluster.core.verifiers import VERIFIERS
-from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.base import (
+    Option,
+    Propose,
+    Score,
+    StepContext,
+    Strategy,
+    register,
+)
 
 DRAFTER = Option("drafter", str, None, "drafter model name (default: the config's first drafter)")
 K = Option("k", int, 4, "draft tokens per step", low=1, high=64)
@@ -28,16 +35,22 @@ class Speculative(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name, self.drafter]
 
-    def step(self, ctx: StepContext) -> list[int]:
-        return speculative_step(ctx, self.drafter, min(self.k, ctx.budget - 1), self.verify)
+    def step(self, ctx: StepContext):
+        return speculative_step(ctx, self.drafter, draft_length(ctx, self.k), self.verify)
 
 
-def speculative_step(ctx: StepContext, drafter_name: str, k: int, verify) -> list[int]:
+def draft_length(ctx: StepContext, k: int) -> int:
+    """The step's draft length: the planner's choice when it plans (0 = no speculation), else ``k``;
+    never more than the tokens the request may still emit after the bonus token."""
+    return min(k if ctx.planned_k is None else ctx.planned_k, ctx.budget - 1)
+
+
+def speculative_step(ctx: StepContext, drafter_name: str, k: int, verify):
     """One draft-score-verify step; returns the emitted tokens (accepted + 1)."""
     drafter, target = ctx.models[drafter_name], ctx.target
-    draft, q_logits = drafter.propose(ctx.rid, k) if k > 0 else ([], None)   # [k], [k, V]
+    draft, q_logits = (yield Propose(drafter_name, k)) if k > 0 else ([], None)   # [k], [k, V]
     ctx.stats.forward(drafter_name, len(draft))
-    p = ctx.probs(target.score(ctx.rid, draft))                                # [k+1, V]
+    p = ctx.probs((yield Score(ctx.target_name, tuple(draft))))                  # [k+1, V]
     ctx.stats.forward(ctx.target_name, target=True)
     q = ctx.probs(q_logits) if draft else p[:0]
     verdict = verify(draft, q, p, ctx.rng)

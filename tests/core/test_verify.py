@@ -5,7 +5,12 @@ import torch
 
 from cluster.core.sampling import SamplingParams, logits_to_probs
 from cluster.core.verify import verify_tokens
-from tests.support.exact import engine_vs_target, enumerate_outcomes, max_abs_diff, random_dist
+from tests.support.exact import (
+    engine_vs_target,
+    enumerate_outcomes,
+    max_abs_diff,
+    random_dist,
+)
 
 
 @pytest.mark.parametrize("vocab,L,seed,zeros", [(6, 1, 0, False), (6, 3, 1, True), (5, 3, 2, True),

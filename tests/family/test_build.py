@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import cluster.family.corpus as corpus
 from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.build import build_zoo
 from cluster.family.cache import load_manifest, model_entry, zoo_is_built
-import cluster.family.corpus as corpus
 
 # --------------------------------------------------------------------------- corpus
 

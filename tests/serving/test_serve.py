@@ -289,10 +289,10 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from cluster.config.schema import config_from_dict
-    from tests.support.built import engine_for
     from cluster.models.hf import HFWorker
     from cluster.models.tiny import tiny_llama, truncated
     from cluster.serving.coordinator import Coordinator
+    from tests.support.built import engine_for
     model = tiny_llama(hidden=64, layers=3, heads=4, seed=5)
     model.save_pretrained(tmp_path / "target")
     truncated(model, 1).save_pretrained(tmp_path / "drafter")

@@ -15,6 +15,7 @@ from tests.support.exact import (
     VocabTokenizer,
     enumerate_outcomes,
     max_abs_diff,
+    run_step,
     target_joint,
 )
 
@@ -95,7 +96,7 @@ def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=
         ctx = StepContext("r", models, "target", sampling, rng, RequestStats(), list(prompt), budget)
         out = []
         while len(out) < n:
-            new = strategy.step(ctx)
+            new = run_step(strategy.step(ctx), models, "r")
             ctx.tokens.extend(new)
             out.extend(new)
         return tuple(out[:n])

@@ -179,3 +179,15 @@ def engine_vs_target(vocab: int, k: int, n: int, seed: int, sampling, verify: st
         return tuple(res.token_ids)
 
     return enumerate_outcomes(run), target_joint(target, [0], n, sampling)
+
+
+def run_step(step, models: dict, rid: str):
+    """Drive one strategy step (a generator of model calls) directly against ``models``, unbatched."""
+    from cluster.engine.batching import run_group
+    value = None
+    while True:
+        try:
+            call = step.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value = run_group(models[call.model], type(call), [(rid, call)])[0]

@@ -1,0 +1,75 @@
+"""A live request inside the engine: its prepared request, step context, stop rules and output so far."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.core.stats import RequestStats
+from cluster.engine.request import GenerationResult, PreparedRequest, StreamChunk
+from cluster.engine.stop import StopDecoder
+from cluster.strategies import StepContext
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)                   # identity: one object per live request
+class Sequence:
+    """One request from admission to release.  ``sink`` receives every :class:`StreamChunk` (the last
+    one carries the result); ``error`` is set when the request failed."""
+
+    req: PreparedRequest
+    ctx: StepContext
+    decoder: StopDecoder
+    eos: int | None
+    sink: Callable[[StreamChunk], None] | None = None
+    status: str = WAITING
+    generated: list[int] = field(default_factory=list)
+    finish: str | None = None
+    error: BaseException | None = None
+    chunks: list[StreamChunk] = field(default_factory=list)    # when there is no sink
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV positions this request may need: prompt, every new token, and one step's draft."""
+        return len(self.req.prompt_ids) + self.req.max_new_tokens + 1
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.ctx.stats
+
+    def begin_step(self) -> None:
+        self.ctx.budget = self.req.max_new_tokens - len(self.generated)
+
+    def accept(self, new: list[int]) -> StreamChunk:
+        """Apply EOS, the token budget and stop strings to one step's tokens; returns the chunk to emit."""
+        stats, req = self.ctx.stats, self.req
+        if not stats.ttft_s:
+            stats.ttft_s = time.perf_counter() - self.t0
+        finish = None
+        if self.eos is not None and self.eos in new:
+            new, finish = new[:new.index(self.eos)], "eos"
+        new = new[:req.max_new_tokens - len(self.generated)]
+        self.ctx.tokens.extend(new)
+        self.generated.extend(new)
+        text, stopped = self.decoder.push(self.generated)
+        if stopped is not None:
+            self.generated, finish = self.generated[:stopped], "stop"
+        elif finish is None and len(self.generated) >= req.max_new_tokens:
+            finish = "length"
+        if finish is not None:
+            text += self.decoder.flush()
+        stats.generated_tokens = len(self.generated)
+        stats.wall_s = time.perf_counter() - self.t0
+        self.finish = finish
+        result = None if finish is None else GenerationResult(self.generated, self.decoder.text, finish, stats,
+                                                              req.seed, req.rid)
+        return StreamChunk(new if stopped is None else [], text, finish, result)
+
+    def emit(self, chunk: StreamChunk) -> None:
+        (self.sink or self.chunks.append)(chunk)

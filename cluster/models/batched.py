@@ -1,0 +1,260 @@
+"""Batched in-process model worker: a Hugging Face causal LM whose requests share one slot KV cache.
+
+A drop-in replacement for :class:`cluster.models.hf.HFWorker` (same per-request semantics, same RNG streams)
+whose ``*_batch`` methods advance many requests in one forward pass.  Every request owns a slot of one
+:class:`cluster.models.slot_cache.SlotCache` and keeps ``tokens`` and ``cached`` (how many of them the slot
+holds); a forward feeds each row's ``tokens[cached:]``, right-padded to the longest row:
+
+  input_ids     [B, n]        pending tokens, padding id 0 after a row's own ``n_b``
+  position_ids  [B, n]        cached_b + j
+  attention     [B, 1, n, T]  key t visible to query j of row b iff t <= cached_b + j (T = max cached_b + n);
+                              bool (True = attend) for sdpa, additive float (0 / dtype min) for eager and others.
+                              masking_utils returns an already prepared 4D mask as-is, and the slot cache writes
+                              row b's new keys at cached_b + j, so padding only writes beyond the row's length.
+  logits        [B, n, V]     only each row's first ``n_b`` rows are kept; hidden states [B, n, H] likewise.
+
+Rollback, extend and release are bookkeeping only (stale cache positions are masked and later overwritten).
+Chosen over transformers' paged continuous-batching cache because that one is driven by its own scheduler and
+generation loop; a slot cache keeps HFWorker's per-call contract (score/propose/rollback per request id).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster.core.sampling import (
+    Rng,
+    SamplingParams,
+    derive_seed,
+    logits_to_probs,
+    sample,
+)
+from cluster.models.head import resolve_head
+from cluster.models.slot_cache import SlotCache
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    slot: int
+    cached: int
+    sampling: SamplingParams
+    rng: Rng
+
+
+class BatchedHFWorker:
+    """Hosts one causal LM for many requests; see :class:`cluster.core.interfaces.ModelHandle`."""
+
+    def __init__(self, model: torch.nn.Module, name: str, *, max_length: int | None = None):
+        self.model = model.eval()
+        self.name = name
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_length = int(max_length or getattr(cfg, "max_position_embeddings", 2048))
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.deterministic = False
+        self.device = next(model.parameters()).device
+        self._cache = SlotCache(int(cfg.num_hidden_layers), self.max_length)
+        self._requests: dict[str, _Request] = {}
+        self._free: set[int] = set()                  # released slots below _next_slot
+        self._next_slot = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, name: str, *, dtype: str = "float32",
+                        device: str = "cpu", **kwargs) -> "BatchedHFWorker":
+        """Load a local HF checkpoint directory (safetensors + config); never reaches a hub."""
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                     local_files_only=True, **kwargs)
+        if "tp_plan" not in kwargs:
+            model = model.to(device)
+        return cls(model, name)
+
+    # -- request lifecycle -------------------------------------------------------------------
+    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
+        self.prefill_batch([(rid, ids, sampling, seed)])
+
+    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
+        """Start each request; one forward over all prompts but their last token (which stays pending)."""
+        if any(not ids for _, ids, _, _ in items):
+            raise ValueError("prefill needs at least one token")
+        reqs = []
+        with self._lock:
+            for rid, ids, sampling, seed in items:
+                self._drop(rid)
+                if self._free:
+                    slot = min(self._free)
+                    self._free.discard(slot)
+                else:
+                    slot, self._next_slot = self._next_slot, self._next_slot + 1
+                req = _Request(list(ids), slot, 0, sampling, Rng(derive_seed(seed, self.name)))
+                self._requests[rid] = req
+                reqs.append(req)
+        todo = [r for r in reqs if len(r.tokens) > 1]
+        if todo:
+            self._forward(todo, ends=[len(r.tokens) - 1 for r in todo])
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            self._drop(rid)
+
+    def active_requests(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
+
+    def length(self, rid: str) -> int:
+        return len(self._get(rid).tokens)
+
+    def kv_tokens(self) -> int:
+        """Tokens currently held in the KV cache over all requests."""
+        with self._lock:
+            return sum(r.cached for r in self._requests.values())
+
+    # -- the operations speculative decoding needs -----------------------------------------------
+    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
+        return self.propose_batch([(rid, k)])[0]
+
+    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
+        return self.propose_adaptive_batch([(rid, k_max, head, threshold)])[0]
+
+    def score(self, rid: str, draft: list[int]) -> torch.Tensor:
+        return self.score_batch([(rid, draft)])[0]
+
+    def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
+        """Sample k_i tokens per row (max k_i forwards; rows drop out when done): tokens [k_i], logits [k_i, V]."""
+        return self._draft([(rid, k, None, 0.0) for rid, k in items])
+
+    def propose_adaptive_batch(self, items: list[tuple[str, int, object, float]]
+                               ) -> list[tuple[list[int], torch.Tensor]]:
+        """SpecDec++ drafting (Huang et al. 2024, Algorithm 1) per row, as :meth:`HFWorker.propose_adaptive`:
+        the forward yielding q_i also yields the final hidden state e_{i-1} of candidate i-1; a row stops once
+        1 - prod sigmoid(head(e)) > its threshold, or at its k_max."""
+        return self._draft([(rid, k, resolve_head(head), thr) for rid, k, head, thr in items])
+
+    def score_batch(self, items: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """Append each draft and run one forward; row i gets logits [L_i+1, V] (last context token re-fed)."""
+        reqs = [self._get(rid) for rid, _ in items]
+        for req, (_, draft) in zip(reqs, items):
+            req.cached = min(req.cached, len(req.tokens) - 1)
+            req.tokens.extend(draft)
+        res = self._forward(reqs)
+        return [lg[-(len(draft) + 1):] for (lg, _), (_, draft) in zip(res, items)]
+
+    def rollback(self, rid: str, length: int) -> None:
+        req = self._get(rid)
+        del req.tokens[length:]
+        req.cached = min(req.cached, length)
+
+    def extend(self, rid: str, ids: list[int]) -> None:
+        self._get(rid).tokens.extend(ids)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _get(self, rid: str) -> _Request:
+        try:
+            return self._requests[rid]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown request {rid!r}") from None
+
+    def _drop(self, rid: str) -> None:               # caller holds the lock
+        req = self._requests.pop(rid, None)
+        if req is not None:
+            self._free.add(req.slot)
+
+    def _draft(self, items) -> list[tuple[list[int], torch.Tensor]]:
+        """Rows (rid, k, head or None, threshold): one forward per step over the rows still drafting."""
+        reqs = [self._get(rid) for rid, *_ in items]
+        out = [([], []) for _ in items]
+        keep = [1.0] * len(items)
+        live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
+        step = 0
+        while live:
+            step += 1
+            res = self._forward([reqs[i] for i in live], hidden=any(items[i][2] is not None for i in live))
+            done = set()
+            for i, (lg, hid) in zip(live, res):
+                req, (_, k, head, thr) = reqs[i], items[i]
+                tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
+                req.tokens.append(tok)
+                out[i][0].append(tok)
+                out[i][1].append(lg[-1])
+                if head is not None and step >= 2:
+                    keep[i] *= head.accept_prob(hid[-1])             # e_{i-1}: candidate i-1
+                    if 1.0 - keep[i] > thr:
+                        done.add(i)
+                if step >= k:
+                    done.add(i)
+            live = [i for i in live if i not in done]
+        return [(toks, torch.stack(lgs)) if lgs else ([], torch.empty(0, self.vocab_size)) for toks, lgs in out]
+
+    def _mask(self, offsets: list[int], n: int, length: int) -> torch.Tensor:
+        """[B, 1, n, T]: key t visible to query j of row b iff t <= offsets[b] + j."""
+        limit = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)  # [B, n]
+        visible = torch.arange(length, device=self.device)[None, None, :] <= limit[:, :, None]           # [B, n, T]
+        visible = visible[:, None]
+        if self.model.config._attn_implementation == "sdpa":
+            return visible
+        dtype = self.model.dtype
+        return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible,
+                                                                                       torch.finfo(dtype).min)
+
+    @torch.inference_mode()
+    def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None):
+        """Feed each row's ``tokens[cached:end]`` in one forward; per row (logits ``[n_b, V]``, final hidden
+        states ``[n_b, H]`` with ``hidden``, else None), float32 on the CPU."""
+        if len({r.slot for r in reqs}) != len(reqs):
+            raise ValueError("a request may appear only once per batch")
+        ends = ends or [len(r.tokens) for r in reqs]
+        for r, e in zip(reqs, ends):
+            if r.cached >= e:                            # everything cached: recompute the last position
+                r.cached = e - 1
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].slot)   # ascending slots: often one slice
+        rows = [reqs[i] for i in order]
+        feeds = [r.tokens[r.cached:ends[i]] for i, r in zip(order, rows)]
+        offsets = [r.cached for r in rows]
+        n = max(len(f) for f in feeds)
+        ids = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long, device=self.device)
+        pos = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)
+        self._cache.plan([r.slot for r in rows], offsets, n)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self._mask(offsets, n, max(offsets) + n),
+                         past_key_values=self._cache, use_cache=True,
+                         **({"output_hidden_states": True} if hidden else {}))
+        logits = out.logits.float().cpu()                                           # [B, n, V]
+        hid = out.hidden_states[-1].float().cpu() if hidden else None               # [B, n, H]
+        res = [None] * len(reqs)
+        for b, (i, r, f) in enumerate(zip(order, rows, feeds)):
+            r.cached += len(f)
+            lg = logits[b, :len(f)]
+            res[i] = (lg, hid[b, :len(f)] if hidden else None)
+        return res
+
+
+def forward_cost_grid(worker: BatchedHFWorker, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
+                      iters: int = 10) -> dict[tuple[int, int], float]:
+    """Median wall seconds of one batched score forward: ``rows`` requests with ``context`` cached tokens,
+    each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1)."""
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    for r in rows:
+        rids = [f"__grid{i}" for i in range(r)]
+        worker.prefill_batch([(rid, torch.randint(0, worker.vocab_size, (context,), generator=gen).tolist(),
+                               SamplingParams(), i) for i, rid in enumerate(rids)])
+        for t in new_tokens:
+            draft = [1] * (t - 1)
+            times = []
+            for it in range(iters + 1):                  # one warm-up
+                t0 = time.perf_counter()
+                worker.score_batch([(rid, draft) for rid in rids])
+                if it:
+                    times.append(time.perf_counter() - t0)
+                for rid in rids:
+                    worker.rollback(rid, context)
+            result[(r, t)] = statistics.median(times)
+        for rid in rids:
+            worker.release(rid)
+    return result

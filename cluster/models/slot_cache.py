@@ -1,0 +1,118 @@
+"""A transformers ``Cache`` whose rows are request *slots* of one batched KV buffer.
+
+Per layer the keys and values live in ``[S, Hkv, C, D]`` buffers (S slots, Hkv key/value heads, capacity C
+positions, head dim D), allocated on the first ``update`` from the shapes the attention layer hands over (so
+tensor-parallel shards get their local head count) and grown on demand (slots doubling, capacity doubling,
+rounded up to 64, never past ``max_len`` unless a row needs it).  Before each forward the caller states which
+slot each batch row is and each row's write offset (its cached length) with :meth:`SlotCache.plan`; ``update``
+then writes the new ``[B, Hkv, n, D]`` states at positions ``offset_b + j`` of slot ``slot_b`` and returns the
+rows' ``[B, Hkv, T, D]`` states, T = max(offset_b + n).  Positions beyond a row's valid length (padding writes,
+rolled-back tokens) are stale but harmless: the caller's mask hides them and later writes overwrite them, so
+rollback is bookkeeping only.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+_ROUND = 64
+
+
+def _round_up(n: int, m: int = _ROUND) -> int:
+    return -(-n // m) * m
+
+
+class _Plan:
+    """The batch layout of the current forward, shared by all layers."""
+
+    def __init__(self):
+        self.slots = torch.zeros(0, dtype=torch.long)     # [B] slot of each batch row
+        self.pos = torch.zeros(0, 0, dtype=torch.long)    # [B, n] write position of each new token
+        self.first = 0                                    # slots[0] when the rows are a contiguous range
+        self.contiguous = True
+        self.need_slots = 0                               # max(slot) + 1
+        self.length = 0                                   # T = max(offset_b + n)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's ``[S, Hkv, C, D]`` key/value buffers, indexed by the shared :class:`_Plan`."""
+
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, plan: _Plan, max_len: int):
+        super().__init__()
+        self.plan, self.max_len = plan, max_len
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = torch.zeros(0, h, 0, d, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(0, value_states.shape[1], 0, value_states.shape[-1], dtype=self.dtype,
+                                  device=self.device)
+        self.is_initialized = True
+
+    def _grow(self) -> None:
+        s, _, c, _ = self.keys.shape
+        p = self.plan
+        if p.need_slots <= s and p.length <= c:
+            return
+        new_s = s if p.need_slots <= s else max(p.need_slots, 2 * s)
+        new_c = c if p.length <= c else max(_round_up(p.length), min(_round_up(2 * c), _round_up(self.max_len)))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(new_s, old.shape[1], new_c, old.shape[3])      # [S', Hkv, C', D]
+            new[:s, :, :c] = old
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states ``[B, Hkv, n, D]`` -> the rows' full states ``[B, Hkv, T, D]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._grow()
+        p = self.plan
+        rows = p.slots.to(self.device)[:, None]                                 # [B, 1]
+        pos = p.pos.to(self.device)                                             # [B, n]
+        self.keys[rows, :, pos] = key_states.transpose(1, 2).to(self.dtype)    # [B, n, Hkv, D]
+        self.values[rows, :, pos] = value_states.transpose(1, 2).to(self.dtype)
+        if p.contiguous:
+            sl = slice(p.first, p.first + rows.shape[0])
+            return self.keys[sl, :, :p.length], self.values[sl, :, :p.length]
+        idx = rows[:, 0]
+        return (self.keys[:, :, :p.length].index_select(0, idx),
+                self.values[:, :, :p.length].index_select(0, idx))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.plan.length, 0
+
+    def get_seq_length(self) -> int:
+        return self.plan.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
+class SlotCache(Cache):
+    """One cache for all requests of a worker: batch row b of a forward reads/writes slot ``slots[b]``."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        self._plan = _Plan()
+        super().__init__(layers=[SlotLayer(self._plan, max_len) for _ in range(num_layers)])
+
+    def plan(self, slots: list[int], offsets: list[int], n: int) -> None:
+        """Rows ``slots [B]`` with ``offsets [B]`` cached positions each receive ``n`` new (padded) tokens."""
+        p = self._plan
+        p.slots = torch.tensor(slots, dtype=torch.long)
+        p.pos = torch.tensor(offsets, dtype=torch.long)[:, None] + torch.arange(n)[None, :]    # [B, n]
+        p.first = slots[0]
+        p.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        p.need_slots = max(slots) + 1
+        p.length = max(offsets) + n
+
+    def reserved_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))

@@ -1,0 +1,153 @@
+"""BatchedHFWorker against the single-request HFWorker: one slot cache, ragged rows, same logits and RNG streams."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cluster.core.sampling import SamplingParams
+from cluster.models.batched import BatchedHFWorker, forward_cost_grid
+from cluster.models.head import AcceptanceHead
+from cluster.models.hf import HFWorker
+from cluster.models.tiny import tiny_llama, truncated
+
+torch.set_num_threads(1)
+TOL = 1e-4
+SAMPLED, GREEDY = SamplingParams(1.0), SamplingParams(0.0)
+
+
+def gqa_llama(seed: int = 0) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make(kind: str):
+    model = gqa_llama() if kind == "gqa" else tiny_llama(hidden=64, layers=4, heads=4, seed=0, max_position=1024)
+    if kind == "eager":
+        model.set_attn_implementation("eager")
+    return BatchedHFWorker(model, "m"), HFWorker(model, "m")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert a.numel() == 0 or (a - b).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa", "eager"])
+def test_ragged_score_matches_single_requests(kind):
+    bw, hw = make(kind)
+    lens = {"a": 3, "b": 17, "c": 40}
+    bw.prefill_batch([(rid, prompt(n, i), SAMPLED, i) for i, (rid, n) in enumerate(lens.items())])
+    for i, (rid, n) in enumerate(lens.items()):
+        hw.prefill(rid, prompt(n, i), SAMPLED, i)
+    assert bw.kv_tokens() == sum(n - 1 for n in lens.values())
+
+    def check(items):
+        got = bw.score_batch(items)
+        for (rid, draft), lg in zip(items, got):
+            assert lg.shape == (len(draft) + 1, 257)
+            close(lg, hw.score(rid, draft))
+            assert bw.length(rid) == hw.length(rid)
+
+    check([("a", [5, 6]), ("b", []), ("c", [7, 8, 9, 10, 11])])
+    for w in (bw, hw):
+        w.rollback("b", 9)
+        w.extend("c", [12, 13])                          # several pending tokens in the next forward
+    check([("a", [1]), ("b", [2, 3, 4]), ("c", [])])
+    for w in (bw, hw):                                  # slot reuse: a new request takes a's slot
+        w.release("a")
+        w.prefill("d", prompt(25, 9), SAMPLED, 9)
+    assert sorted(bw.active_requests()) == ["b", "c", "d"]
+    check([("c", [3, 3]), ("d", [4]), ("b", [])])       # rows not in slot order
+    check([("d", [1, 2, 3])])                            # a single slot
+    check([("c", [5]), ("d", [])])                       # slots 2 and 0: not one contiguous range
+    for w in (bw, hw):
+        w.extend("b", prompt(90, 4))                     # grows the capacity past 64 (copying the cache)
+    check([("b", [6, 7]), ("c", [8])])
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_propose_batch_matches_single_requests(params):
+    bw, hw = make("mha")
+    ks = {"a": 0, "b": 2, "c": 5}
+    for w in (bw, hw):
+        for i, rid in enumerate(ks):
+            w.prefill(rid, prompt(4 + 7 * i, i), params, 100 + i)
+        w.extend("c", [1, 2, 3])                         # ragged first forward
+    got = bw.propose_batch(list(ks.items()))
+    for (rid, k), (toks, lg) in zip(ks.items(), got):
+        ref_toks, ref_lg = hw.propose(rid, k)
+        assert toks == ref_toks and len(toks) == k
+        assert lg.shape == (k, 257)
+        close(lg, ref_lg)
+    assert bw.propose_batch([]) == []
+
+
+def test_propose_adaptive_batch_matches_single_requests():
+    bw, hw = make("mha")
+    torch.manual_seed(3)
+    head = AcceptanceHead(64)
+    items = [("a", 1, head, 0.5), ("b", 8, head, 0.3), ("c", 8, head, 0.9), ("d", 6, head, 0.99), ("e", 0, head, .5)]
+    for w in (bw, hw):
+        for i, (rid, *_) in enumerate(items):
+            w.prefill(rid, prompt(5 + 3 * i, i), SAMPLED, 7 + i)
+    got = bw.propose_adaptive_batch(items)
+    for (rid, k, _, thr), (toks, lg) in zip(items, got):
+        ref_toks, ref_lg = hw.propose_adaptive(rid, k, head, thr)
+        assert toks == ref_toks and len(toks) <= k
+        close(lg, ref_lg)
+    assert len({len(t) for t, _ in got}) > 1             # rows stopped at different steps
+
+
+def test_interleaved_speculative_rounds_match_running_alone():
+    target = tiny_llama(seed=0)
+    drafter = truncated(target, 3)
+    prompts = {"a": prompt(6, 1), "b": prompt(19, 2), "c": prompt(33, 3)}
+    ks = {"a": 2, "b": 3, "c": 4}
+
+    def accept(rid, draft, lg, dw, tw):                  # greedy verification: longest argmax prefix + bonus
+        best = lg.argmax(-1).tolist()
+        n = 0
+        while n < len(draft) and draft[n] == best[n]:
+            n += 1
+        keep = tw.length(rid) - len(draft) + n
+        for w in (dw, tw):
+            w.rollback(rid, keep)
+            w.extend(rid, [best[n]])
+
+    bd, bt = BatchedHFWorker(drafter, "d"), BatchedHFWorker(target, "t")
+    modes = {"a": GREEDY, "b": SAMPLED, "c": GREEDY}     # greedy drafting gets some drafts accepted
+    bd.prefill_batch([(rid, p, modes[rid], i) for i, (rid, p) in enumerate(prompts.items())])
+    bt.prefill_batch([(rid, p, GREEDY, i) for i, (rid, p) in enumerate(prompts.items())])
+    for _ in range(6):
+        drafts = bd.propose_batch(list(ks.items()))
+        scores = bt.score_batch([(rid, t) for rid, (t, _) in zip(ks, drafts)])
+        for rid, (toks, _), lg in zip(ks, drafts, scores):
+            accept(rid, toks, lg, bd, bt)
+    grown = 0
+    for i, (rid, p) in enumerate(prompts.items()):
+        hd, ht = HFWorker(drafter, "d"), HFWorker(target, "t")
+        hd.prefill(rid, p, modes[rid], i)
+        ht.prefill(rid, p, GREEDY, i)
+        for _ in range(6):
+            toks, _ = hd.propose(rid, ks[rid])
+            accept(rid, toks, ht.score(rid, toks), hd, ht)
+        assert bt._get(rid).tokens == ht._get(rid).tokens
+        assert bd._get(rid).tokens == hd._get(rid).tokens
+        grown += len(ht._get(rid).tokens) - len(p) - 6
+    assert grown > 0                                     # some drafts were accepted
+
+
+def test_forward_cost_grid_smoke():
+    bw, _ = make("mha")
+    grid = forward_cost_grid(bw, rows=(1, 3), new_tokens=(1, 2), context=16, iters=2)
+    assert set(grid) == {(1, 1), (1, 2), (3, 1), (3, 2)} and all(v > 0 for v in grid.values())
+    assert bw.active_requests() == [] and bw.kv_tokens() == 0
