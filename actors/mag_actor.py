@@ -13,12 +13,11 @@ from cluster.models.build import build_handle
 
 
 class MagHost(ModelHost):
-    def __init__(self, cfg, name: str, vocab_size: int, threads: int = 1):     # super().__init__ not called: no model to load here
+    def __init__(self, cfg, name: str, vocab_size: int):     # super().__init__ not called: it builds a neural model
         self.worker = build_handle(cfg, name, vocab_size=vocab_size)
         self.name = name
 
 
-def start_mag_actor(cfg, vocab_size: int, *, num_cpus: float, concurrency: int = 4):
+def start_mag_actor(cfg, vocab_size: int, *, num_cpus: float):
     import ray
-    return ray.remote(MagHost).options(num_cpus=num_cpus, max_concurrency=concurrency).remote(
-        cfg, cfg.mag.name, vocab_size)
+    return ray.remote(MagHost).options(num_cpus=num_cpus, max_concurrency=2).remote(cfg, cfg.mag.name, vocab_size)

@@ -1,46 +1,65 @@
 """The per-step wire contract between a serving unit and its model actors (both ends import it).
 
-A call is ``call(rid, ops, method, args) -> (result, compute seconds)``: ``ops`` are the queued
-calls that return nothing (:data:`OPS`), applied in order before ``method`` (:data:`METHODS`).
-Tensors travel as numpy arrays (:func:`pack` / :func:`unpack`).
+One engine step costs one round trip per model: :class:`StepCall` carries the bookkeeping calls that
+return nothing (:data:`OPS`: rollback / extend / release, queued by the caller since the last call, in
+order) and then at most one batched method (:data:`METHODS`) over all of the step's requests for that
+model.  The actor answers ``(result, compute seconds)``.  Tensors travel as numpy arrays
+(:func:`pack` / :func:`unpack`): Ray serialises those out of band.
+
+Bytes per step and request (embedded family, V = 4096 float32 logits): a ``score`` of L draft tokens
+returns (L+1) x V x 4 B = 16 KiB per position; a ``propose`` of k tokens returns k x V x 4 B.  For a
+128k-vocabulary target the same rows are 512 KiB each, which is why verification runs where the target's
+logits are (see docs/cluster.md, "Bytes per step").
 """
 from __future__ import annotations
 
-import os
 import pickle
-import socket
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-
-def tcp_nodelay(conn):
-    """Disable Nagle's algorithm on a ``multiprocessing.connection`` socket and return it.
-
-    Messages over 16 KiB (the logits of a 4096-token vocabulary already) go out as a header write
-    plus a payload write; with Nagle on, the tail segment waits for the peer's delayed ACK, which
-    stalled every such call by ~40 ms.
-    """
-    s = socket.socket(fileno=os.dup(conn.fileno()))      # same socket, own descriptor
-    try:
-        if s.family in (socket.AF_INET, socket.AF_INET6):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        s.close()
-    return conn
+OPS = ("rollback", "extend", "release")
+METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch")
 
 
-def unpack(out):
-    """numpy arrays from the actor back to tensors (copied: Ray hands out read-only buffers)."""
-    if isinstance(out, np.ndarray):
-        return torch.from_numpy(out.copy())
-    if isinstance(out, tuple):
-        return tuple(unpack(x) for x in out)
+@dataclass
+class StepCall:
+    ops: list[tuple[str, str, tuple]] = field(default_factory=list)   # (op, request id, args), in order
+    method: str | None = None                                          # one of METHODS, or None (ops only)
+    items: list = field(default_factory=list)                          # the method's per-request items
+
+
+def apply(handle, call: StepCall) -> Any:
+    """Run ``call`` on the hosted model handle (the actor side); returns the method's packed result."""
+    for op, rid, args in call.ops:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}")
+        getattr(handle, op)(rid, *args)
+    if call.method is None:
+        return None
+    if call.method not in METHODS:
+        raise ValueError(f"unknown method {call.method!r}")
+    return pack(getattr(handle, call.method)(call.items))
+
+
+def pack(out):
+    """Tensors as numpy arrays, recursively through lists and tuples."""
+    if isinstance(out, torch.Tensor):
+        return out.numpy()
+    if isinstance(out, (list, tuple)):
+        return type(out)(pack(x) for x in out)
     return out
 
 
-OPS = ("prefill", "rollback", "extend")
-METHODS = ("propose", "score", "propose_adaptive", "noop")     # propose_adaptive: SpecDec++ drafters
+def unpack(out):
+    """numpy arrays back to tensors (copied: Ray hands out read-only buffers)."""
+    if isinstance(out, np.ndarray):
+        return torch.from_numpy(out.copy())
+    if isinstance(out, (list, tuple)):
+        return type(out)(unpack(x) for x in out)
+    return out
 
 
 def picklable(x):
@@ -51,10 +70,10 @@ def picklable(x):
         return None
 
 
-def pack(out):
-    """Tensors as numpy arrays: Ray serialises those out of band, cheaper than pickled tensors."""
-    if isinstance(out, torch.Tensor):
-        return out.numpy()
-    if isinstance(out, tuple):
-        return tuple(pack(x) for x in out)
-    return out
+def nbytes(out) -> int:
+    """Payload bytes of a packed result (arrays only): what a step moves back per model."""
+    if isinstance(out, np.ndarray):
+        return out.nbytes
+    if isinstance(out, (list, tuple)):
+        return sum(nbytes(x) for x in out)
+    return 0

@@ -21,7 +21,7 @@ from cluster.models.build import build_handle
 
 
 class TPRank(ModelHost):
-    def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # super().__init__ not called: no model to load here
+    def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # loads in setup(), not here
         torch.set_num_threads(threads)
         self.cfg, self.name, self.rank, self.world = cfg, name, rank, world
         self.worker = None
@@ -44,8 +44,8 @@ class TPRank(ModelHost):
         self.worker = build_handle(self.cfg, self.name, tp_size=self.world)
         return self.info()
 
-    def call(self, rid, ops, method, args=()):
-        out, seconds = super().call(rid, ops, method, args)
+    def step(self, call):
+        out, seconds = super().step(call)
         return (out if self.rank == 0 else None), seconds
 
     def health(self) -> dict:

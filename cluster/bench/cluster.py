@@ -27,7 +27,7 @@ from cluster.local import build_engine
 from cluster.serving.coordinator import Coordinator
 from cluster.strategies import REGISTRY
 
-LAYOUTS = {"default": ("default", "direct"), "default-ray": ("default", "ray"), "separated": ("separated", "direct")}
+LAYOUTS = ("separated", "colocated")
 
 
 def run(args, cfg) -> int:
@@ -47,25 +47,26 @@ def run(args, cfg) -> int:
     coords = {}
     try:
         t0 = time.perf_counter()
-        for name, (topo, transport) in LAYOUTS.items():
-            coords[name] = Coordinator(cfg, topology=topo, transport=transport)
+        for topo in LAYOUTS:
+            coords[topo] = Coordinator(cfg, topology=topo)
         print(f"[cluster up: {time.perf_counter() - t0:.1f}s; strategies: {', '.join(strategies)}; "
               f"torch threads {threads}]")
-        runtimes = {"in-process": engine, **{f"cluster/{t}": c.engine for t, c in coords.items()}}
+        runtimes = {"in-process": engine.generate,
+                    **{f"cluster/{t}": c.generate_blocking for t, c in coords.items()}}
         agg = {(s, r): _Agg() for s in strategies for r in runtimes}
         for s in strategies:                     # warm-up: one short request per strategy and runtime
-            for eng in runtimes.values():
-                eng.generate(_req(prompts[0], 4, temperature, s, 0))
+            for run in runtimes.values():
+                run(_req(prompts[0], 4, temperature, s, 0))
         for c in coords.values():
             c.reset_timings()
         for i, ids in enumerate(prompts):
             for s in strategies:
                 ref = None
-                for rname, eng in runtimes.items():
+                for rname, run in runtimes.items():
                     coord = coords.get(rname.split("/")[-1]) if rname != "in-process" else None
                     before = _timing_totals(coord)
                     t = time.perf_counter()
-                    res = eng.generate(_req(ids, max_new, temperature, s, i))
+                    res = run(_req(ids, max_new, temperature, s, i))
                     wall = time.perf_counter() - t
                     after = _timing_totals(coord)
                     a = agg[(s, rname)]

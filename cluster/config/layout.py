@@ -14,13 +14,10 @@ from dataclasses import dataclass, field
 
 from cluster.errors import ConfigError
 
-TOPOLOGIES = ("default", "separated")
+TOPOLOGIES = ("separated", "colocated")   # drafters in their own actors, or inside the coordinator
 
 
 BACKENDS = ("auto", "gloo", "nccl")
-
-
-TRANSPORTS = ("direct", "ray")
 
 
 @dataclass(frozen=True)
@@ -45,16 +42,12 @@ class ActorResources:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    topology: str = "default"
+    topology: str = "separated"
     tp_size: int = 1                  # target ranks (one placement group)
     backend: str = "auto"             # torch.distributed backend for TP: auto = nccl on GPU, else gloo
-    transport: str = "direct"         # per-step calls: direct actor sockets, or Ray actor tasks
     target: ActorResources = field(default_factory=ActorResources)        # per TP rank
     drafters: ActorResources = field(default_factory=ActorResources)      # per drafter actor (separated)
     coordinator: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=1.0))
-    actor_concurrency: int = 4        # concurrent calls a (non-TP) model actor serves
-    max_concurrent: int = 4           # requests decoding at once per unit
-    max_queue: int = 16               # requests waiting beyond those; then RESOURCE_EXHAUSTED
     replicas: int = 1                 # serving units (Serve replicas)
     app_name: str = "specserve"
     grpc_port: int = 9000
@@ -66,12 +59,9 @@ class ClusterSpec:
     def validate(self, path: str) -> None:
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"{path}.transport: one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name, low, high in (("tp_size", 1, 1024), ("actor_concurrency", 1, 1024),
-                                ("max_concurrent", 1, 4096), ("max_queue", 0, 1 << 20),
+        for name, low, high in (("tp_size", 1, 1024),
                                 ("replicas", 1, 1024), ("grpc_port", 1, 65535), ("http_port", 1, 65535),
                                 ("warmup_tokens", 0, 1024)):
             v = getattr(self, name)
@@ -88,11 +78,6 @@ class ClusterSpec:
         if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:
             raise ConfigError(f"{path}.backend: nccl needs target.num_gpus >= 1 per rank, "
                               f"got {self.target.num_gpus}")
-
-    @property
-    def capacity(self) -> int:
-        """Requests a unit admits at once (running + queued)."""
-        return self.max_concurrent + self.max_queue
 
     def tp_backend(self) -> str:
         if self.backend != "auto":

@@ -66,8 +66,23 @@ class EngineSpec:
     strategy: str = "speculative"
     max_new_tokens_limit: int = 1024
     options: dict[str, Any] = field(default_factory=dict)   # default strategy options
+    max_batch: int = 32                     # requests decoded together in one engine step (per serving unit)
+    max_queue: int = 64                     # requests waiting for a place; beyond: RESOURCE_EXHAUSTED / 429
+    kv_budget_tokens: int | None = None     # KV positions the running requests may reserve (None: unlimited)
+
+    @property
+    def capacity(self) -> int:
+        """Requests one engine admits at once (running + queued)."""
+        return self.max_batch + self.max_queue
 
     def validate(self, path: str) -> None:
+        for name, low, high in (("max_batch", 1, 4096), ("max_queue", 0, 1 << 20)):
+            v = getattr(self, name)
+            if not low <= v <= high:
+                raise ConfigError(f"{path}.{name}: must be in [{low}, {high}], got {v}")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
+            raise ConfigError(f"{path}.kv_budget_tokens: must be >= 1 (or null: unlimited), "
+                              f"got {self.kv_budget_tokens}")
         if self.strategy not in REGISTRY:
             raise ConfigError(f"{path}.strategy: one of {', '.join(sorted(REGISTRY))}, got {self.strategy!r}")
         if self.max_new_tokens_limit < 1:

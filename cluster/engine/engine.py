@@ -59,6 +59,14 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
 
+    @classmethod
+    def configured(cls, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, spec,
+                   planner=None) -> "Engine":
+        """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
+        return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
+                   max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
+                   limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens))
+
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
         """Validate and tokenize ``req`` once (raises ParamError); a prepared request passes through."""
@@ -68,15 +76,16 @@ class Engine:
                        defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
                        vocab_size=self.vocab_size)
 
-    def add(self, req: GenerationRequest | PreparedRequest,
-            sink: Callable[[StreamChunk], None] | None = None) -> Sequence:
-        """Queue a request (it joins the batch at the next step); raises ParamError / OverloadedError."""
+    def add(self, req: GenerationRequest | PreparedRequest, sink: Callable[[StreamChunk], None] | None = None,
+            on_end: Callable[[Sequence], None] | None = None) -> Sequence:
+        """Queue a request (it joins the batch at the next step); raises ParamError / OverloadedError.
+        ``sink`` gets its chunks; ``on_end`` is called once the request has left, whatever the outcome."""
         req = self.prepare(req)
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
         ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
                           list(req.prompt_ids), 0)
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
-        seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink)
+        seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         with self._lock:
             if req.rid in self._live:
                 raise ParamError("request_id", "an id not used by a live request", req.rid)
@@ -95,6 +104,10 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self._live)
+
+    def live(self) -> list[Sequence]:
+        with self._lock:
+            return list(self._live.values())
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -182,6 +195,8 @@ class Engine:
         with self._lock:
             self.scheduler.remove(seq)
             self._live.pop(seq.rid, None)
+        if seq.on_end is not None:
+            seq.on_end(seq)
 
     # -- one request, driven in the caller's thread --------------------------------------------------
     def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:

@@ -16,13 +16,15 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)                   # identity: one object per live request
 class Sequence:
     """One request from admission to release.  ``sink`` receives every :class:`StreamChunk` (the last
-    one carries the result); ``error`` is set when the request failed."""
+    one carries the result); ``finish`` ends as length | eos | stop | cancelled | error (then ``error``
+    holds the exception)."""
 
     req: PreparedRequest
     ctx: StepContext
     decoder: StopDecoder
     eos: int | None
     sink: Callable[[StreamChunk], None] | None = None
+    on_end: Callable[["Sequence"], None] | None = None    # called once it has left the engine, any outcome
     status: str = WAITING
     generated: list[int] = field(default_factory=list)
     finish: str | None = None

@@ -86,6 +86,17 @@ class MagHandle:
     def extend(self, rid: str, ids: list[int]) -> None:
         self._get(rid).extend(ids)
 
+    # batched forms (the engine's and the actor protocol's interface): MaG is per-request work anyway
+    def prefill_batch(self, items) -> None:
+        for rid, ids, sampling, seed in items:
+            self.prefill(rid, ids, sampling, seed)
+
+    def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
+        return [self.propose(rid, k) for rid, k in items]
+
+    def score_batch(self, items) -> list[torch.Tensor]:
+        return [self.score(rid, draft) for rid, draft in items]
+
     def release(self, rid: str) -> None:
         self._requests.pop(rid, None)
 

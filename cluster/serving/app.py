@@ -11,7 +11,7 @@ import time
 import grpc
 
 from cluster.config.schema import Config, load_config
-from cluster.engine.request import GenerationRequest, GenerationResult
+from cluster.engine.request import GenerationResult, PreparedRequest
 from cluster.errors import OverloadedError, ParamError
 from cluster.serving.coordinator import Coordinator
 from cluster.serving.grpc_api import (
@@ -150,7 +150,7 @@ class SpecServeDeployment:
             return JSONResponse(_oai_error("internal error (details in the server log)", "internal_error"),
                                 status_code=500)
 
-    async def _sse(self, req: GenerationRequest):
+    async def _sse(self, req: PreparedRequest):
         from starlette.responses import StreamingResponse
         gen = self.coord.stream(req)
         first = await gen.__anext__()              # validation / overload errors surface as HTTP codes
@@ -161,7 +161,7 @@ class SpecServeDeployment:
                 while True:
                     if chunk.text or chunk.finish_reason:
                         payload = self._completion(chunk.result, chunk.text, chunk.finish_reason,
-                                                   usage=chunk.result is not None, rid=req.request_id)
+                                                   usage=chunk.result is not None, rid=req.rid)
                         yield f"data: {json.dumps(payload)}\n\n"
                     if chunk.finish_reason is not None:
                         break
@@ -192,7 +192,7 @@ def build_app(cfg: Config):
     dep = serve.deployment(SpecServeDeployment, name="SpecServe").options(
         num_replicas=cl.replicas,
         ray_actor_options={"num_cpus": cl.coordinator.num_cpus, "num_gpus": cl.coordinator.num_gpus},
-        max_ongoing_requests=cl.capacity + 32,     # headroom beyond admission for ServerInfo / health
+        max_ongoing_requests=cfg.engine.capacity + 32,    # headroom beyond admission for ServerInfo / health
         health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
     return dep.bind(cfg)
 

@@ -99,9 +99,9 @@ def server_info(coord) -> pb.ServerInfoResponse:
     cfg = coord.cfg
     return pb.ServerInfoResponse(models=models, strategies=strategies, default_strategy=cfg.engine.strategy,
                                  max_new_tokens_limit=cfg.engine.max_new_tokens_limit,
-                                 max_concurrent=coord.max_concurrent, max_queue=coord.max_queue,
+                                 max_concurrent=coord.max_batch, max_queue=coord.max_queue,
                                  live_requests=[x.rid for x in live],
-                                 running=sum(x.state == "running" for x in live), ready=coord.ready,
+                                 running=sum(x.status == "running" for x in live), ready=coord.ready,
                                  topology=coord.topology, vocab_size=coord.engine.vocab_size,
                                  recent=[pb.RequestSummary(request_id=r, strategy=s, outcome=o, generated_tokens=n)
                                          for r, s, o, n in list(coord.recent)])

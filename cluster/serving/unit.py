@@ -1,8 +1,8 @@
 """A serving unit on Ray: start its actors and connect remote handles (the cluster's composition root).
 
-Counterpart of :mod:`cluster.local`: the target (an actor, or a tensor-parallel group), the drafters
-(actors in the ``separated`` topology, in-process otherwise) and the Max-Gram drafter, each built by
-:func:`cluster.models.build.build_handle`.
+Counterpart of :mod:`cluster.local`: the target (an actor, or a tensor-parallel group), the drafters and the
+Max-Gram drafter (each its own actor in the default ``separated`` topology, in-process in ``colocated``),
+every one built by :func:`cluster.models.build.build_handle`.
 """
 from __future__ import annotations
 
@@ -25,51 +25,47 @@ class ModelEntry:
     handle: Any
 
 
-def build_unit(cfg: Config, topology: str | None = None, transport: str | None = None):
+def build_unit(cfg: Config, topology: str | None = None):
     """Start the actors of one unit; returns (entries by name, tokenizer, endpoints to kill)."""
     import ray
 
     cl = cfg.cluster
-    topology = topology or cl.topology
-    direct = (transport or cl.transport) == "direct"
+    separated = (topology or cl.topology) == "separated"
     entries: dict[str, ModelEntry] = {}
     # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
     started: dict[str, tuple] = {}
-    tspec = cfg.models[cfg.target]
     if cl.tp_size > 1:                           # the target: a TP group (loads while it starts) ...
         actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
                                        num_gpus=cl.target.num_gpus, threads=cl.target.threads,
-                                       backend=cl.tp_backend(), device=tspec.device)
+                                       backend=cl.tp_backend(), device=cfg.models[cfg.target].device)
         started[cfg.target] = (actors, pg, "tp-group")
     else:                                        # ... or one actor
         actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
-                                  threads=cl.target.threads, concurrency=cl.actor_concurrency)
+                                  threads=cl.target.threads)
         started[cfg.target] = ([actor], None, "actor")
     for name in cfg.drafters:
-        if topology == "separated":
+        if separated:
             actor = start_model_actor(cfg, name, num_cpus=cl.drafters.num_cpus, num_gpus=cl.drafters.num_gpus,
-                                      threads=cl.drafters.threads, concurrency=cl.actor_concurrency)
+                                      threads=cl.drafters.threads)
             started[name] = ([actor], None, "actor")
         else:
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
     infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=cl.call_timeout_s)
     endpoints: list[Endpoint] = []
     for (name, (actors, pg, placement)), info in zip(started.items(), infos):
-        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg, direct=direct)
+        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg)
         endpoints.append(ep)
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
-    tokenizer = load_tokenizer(cfg)
     vocab = entries[cfg.target].handle.vocab_size
-    if topology == "separated" and getattr(cfg, "mag", None) is not None:     # MaG as an actor too
-        actor = start_mag_actor(cfg, vocab, num_cpus=cl.drafters.num_cpus, concurrency=cl.actor_concurrency)
-        ep = Endpoint([actor], timeout_s=cl.call_timeout_s, direct=direct)
+    if cfg.mag is not None and separated:                                       # MaG as an actor too ...
+        actor = start_mag_actor(cfg, vocab, num_cpus=cl.drafters.num_cpus)
+        ep = Endpoint([actor], timeout_s=cl.call_timeout_s)
         endpoints.append(ep)
         info = ray.get(actor.info.remote(), timeout=cl.call_timeout_s)
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "actor", RemoteHandle(ep, info))
-    elif getattr(cfg, "mag", None) is not None:                                # ... or in-process
+    elif cfg.mag is not None:                                                   # ... or in-process
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
                                            build_handle(cfg, cfg.mag.name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
-    return ordered, tokenizer, endpoints
-
+    return ordered, load_tokenizer(cfg), endpoints

@@ -127,6 +127,7 @@ class Strategy:
     help: ClassVar[str] = ""
     options: ClassVar[tuple[Option, ...]] = ()
     lossless: ClassVar[bool] = True
+    load_aware: bool = False       # True: the engine's planner chooses the draft length (ctx.planned_k)
 
     def __init__(self, opts: dict[str, Any], models: dict[str, ModelHandle], target: str):
         self.opts, self.models, self.target_name = opts, models, target

@@ -9,7 +9,13 @@ from __future__ import annotations
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
 from cluster.strategies.base import StepContext, Strategy, register
-from cluster.strategies.speculative import VERIFY, K, draft_length, speculative_step
+from cluster.strategies.speculative import (
+    PLAN,
+    VERIFY,
+    K,
+    draft_length,
+    speculative_step,
+)
 
 MAG_NAME = "mag"
 
@@ -29,13 +35,15 @@ def find_mag(models) -> str:
 class Mag(Strategy):
     name = "mag"
     help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
-    options = (K, VERIFY)
+    options = (K, VERIFY, PLAN)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
         self.mag = find_mag(models)
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
+        self.drafter = self.mag
+        self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
 
     def roles(self) -> list[str]:
         return [self.target_name, self.mag]

@@ -18,19 +18,22 @@ from cluster.strategies.base import (
 DRAFTER = Option("drafter", str, None, "drafter model name (default: the config's first drafter)")
 K = Option("k", int, 4, "draft tokens per step", low=1, high=64)
 VERIFY = Option("verify", str, "token", "draft verifier", choices=lambda: tuple(VERIFIERS))
+PLAN = Option("plan", str, "fixed", "draft length per step: fixed (= k) or load_aware (the engine's planner picks "
+              "0..k from measured forward costs, batch size and acceptance)", choices=("fixed", "load_aware"))
 
 
 @register
 class Speculative(Strategy):
     name = "speculative"
     help = "draft k tokens with a neural drafter, verify them in one target pass"
-    options = (DRAFTER, K, VERIFY)
+    options = (DRAFTER, K, VERIFY, PLAN)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
         self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
+        self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
 
     def roles(self) -> list[str]:
         return [self.target_name, self.drafter]

@@ -32,6 +32,10 @@ def test_shipped_configs_load():
     (lambda d: d["generation"].update(temperature=-1), "generation.temperature"),
     (lambda d: d["generation"].update(max_new_tokens=0), "generation.max_new_tokens: must be >= 1"),
     (lambda d: d.update(models=[1, 2]), "models: expected a mapping"),
+    (lambda d: d["engine"].update(max_batch=0), "engine.max_batch: must be in [1, 4096], got 0"),
+    (lambda d: d["engine"].update(max_queue=-1), "engine.max_queue: must be in [0, 1048576], got -1"),
+    (lambda d: d["engine"].update(kv_budget_tokens=0), "engine.kv_budget_tokens: must be >= 1"),
+    (lambda d: d["engine"]["options"].update(plan="sometimes"), "engine.options.plan"),
 ])
 def test_bad_config_names_the_field(mutate, needle):
     data = _tiny()

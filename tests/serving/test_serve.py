@@ -78,7 +78,7 @@ def test_health_serving_after_warmup(served):
     cfg, c = served
     assert c.health() == "SERVING"
     info = c.server_info()
-    assert info.ready and info.topology == "default"
+    assert info.ready and info.topology == "separated"
     assert {m.name for m in info.models} == set(cfg.models)
     assert {s.name for s in info.strategies} == set(REGISTRY)
     with pytest.raises(grpc.RpcError) as e:
@@ -204,7 +204,7 @@ def test_unary_deadline_frees_state(served):
 
 def test_overload_resource_exhausted(served):
     cfg, c = served
-    cap = cfg.cluster.capacity
+    cap = cfg.engine.capacity
     calls = [c.stream(prompt_ids=PROMPT, max_new_tokens=512, ignore_eos=True, strategy="autoregressive",
                       request_id=f"hold-{i}") for i in range(cap)]
     try:
@@ -328,7 +328,7 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
         local = engine_for(cfg)
         for strategy in ("autoregressive", "speculative"):
             req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=24, sampling=sp, seed=0, strategy=strategy)
-            assert coord.engine.generate(req).token_ids == local.generate(req).token_ids
+            assert coord.generate_blocking(req).token_ids == local.generate(req).token_ids
     finally:
         coord.shutdown()
 

@@ -191,3 +191,37 @@ def run_step(step, models: dict, rid: str):
         except StopIteration as stop:
             return stop.value
         value = run_group(models[call.model], type(call), [(rid, call)])[0]
+
+
+def pi_joint(target: TabularModel, drafter: TabularModel, prompt: list[int], n: int, sampling, fn) -> dict:
+    """Exact law of ``n`` tokens drawn one by one from pi = fn(q, p, q_raw, p_raw) at every prefix of
+    ``prompt`` (q: ``drafter``, p: ``target``; scaled by ``sampling``, raw = temperature-1 softmax)."""
+    from cluster.core.sampling import UNSCALED, logits_to_probs
+    out = {(): 1.0}
+    for _ in range(n):
+        nxt: dict = {}
+        for seq, w in out.items():
+            ql, pl = drafter.logits(list(prompt) + list(seq)), target.logits(list(prompt) + list(seq))
+            pi = fn(logits_to_probs(ql, sampling), logits_to_probs(pl, sampling),
+                    logits_to_probs(ql, UNSCALED), logits_to_probs(pl, UNSCALED))
+            for tok, pt in enumerate(pi.tolist()):
+                if pt > 0:
+                    nxt[seq + (tok,)] = nxt.get(seq + (tok,), 0.0) + w * pt
+        out = nxt
+    return out
+
+
+def marginal(joint: dict, i: int) -> dict:
+    """The law of component ``i`` of a joint law over tuples."""
+    out: dict = defaultdict(float)
+    for outcome, w in joint.items():
+        out[outcome[i]] += w
+    return dict(out)
+
+
+def product(laws: list[dict]) -> dict:
+    """The joint law of independent components with the given laws (outcomes: tuples of their outcomes)."""
+    out = {(): 1.0}
+    for law in laws:
+        out = {o + (x,): w * v for o, w in out.items() for x, v in law.items()}
+    return out

@@ -1,0 +1,180 @@
+"""The load-aware planner: the cost model's draft-length choice, the forward-cost table, the planner's
+grouping and estimates on stand-in sequences, and lossless greedy generation on the tiny models."""
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config.schema import load_config
+from cluster.core.cost_model import ForwardCost, plan_draft_length
+from cluster.core.sampling import SamplingParams
+from cluster.core.stats import RequestStats
+from cluster.engine.planner import Planner
+from cluster.engine.request import GenerationRequest
+from cluster.family import ensure_built
+from cluster.local import build_engine
+
+FLAT = ForwardCost({(1, 1): 0.010, (1, 9): 0.010, (32, 1): 0.010, (32, 9): 0.010})
+# cheap in tokens at one row, steep at 32 rows (the batching notes' shape, exaggerated)
+STEEP = ForwardCost({(1, 1): 1.0, (1, 9): 1.2, (32, 1): 2.0, (32, 9): 8.0})
+DRAFT = ForwardCost({(1, 1): 0.1, (32, 1): 0.2})
+
+
+# -- ForwardCost ------------------------------------------------------------------------------------
+def test_forward_cost_interpolates_and_extrapolates():
+    c = ForwardCost({(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0})
+    assert c(1, 1) == 1.0 and c(4, 5) == 6.0                       # grid points
+    assert c(1, 3) == pytest.approx(1.5)                           # along tokens
+    assert c(4, 3) == pytest.approx(4.0)
+    assert c(2, 1) == pytest.approx(1.0 + 1.0 / 3)                 # along rows
+    assert c(2, 3) == pytest.approx(1.5 + 2.5 / 3)                 # bilinear
+    assert c(1, 9) == pytest.approx(3.0)                           # beyond: linear extrapolation
+    assert c(8, 1) == pytest.approx(2.0 + 4 * 1.0 / 3)
+    assert c(8, 9) == pytest.approx(3.0 + 7 / 3 * (10.0 - 3.0))        # both axes beyond the grid
+    assert c(-100, 1) == 0.0                                       # never negative
+    one = ForwardCost.from_grid({(1, 1): 0.5, (8, 1): 1.2})        # one token measured: flat in tokens
+    assert one(8, 1) == one(8, 5) == pytest.approx(1.2)
+    assert one(4, 3) == pytest.approx(0.5 + 0.7 * 3 / 7)
+    with pytest.raises(ValueError):
+        ForwardCost({(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0})       # incomplete grid
+    mono = ForwardCost({(1, 1): 1.0, (1, 5): 0.9, (4, 1): 0.5, (4, 5): 6.0}).monotone()
+    assert mono.table == {(1, 1): 1.0, (1, 5): 1.0, (4, 1): 1.0, (4, 5): 6.0}
+
+
+# -- plan_draft_length ------------------------------------------------------------------------------
+def test_high_alpha_and_flat_target_cost_draft_long():
+    assert plan_draft_length([0.95] * 4, None, FLAT, 8, True) == 8
+    tiny_draft = ForwardCost({(1, 1): 1e-5, (32, 1): 1e-5})
+    assert plan_draft_length([0.95] * 4, tiny_draft, FLAT, 8, False) == 8
+
+
+def test_alpha_near_zero_does_not_speculate():
+    assert plan_draft_length([0.01] * 4, DRAFT, FLAT, 8, False) == 0
+    assert plan_draft_length([0.0] * 4, None, FLAT, 8, True) == 0      # free drafts, no gain: ties -> 0
+    assert plan_draft_length([], None, FLAT, 8, True) == 0
+    assert plan_draft_length([0.9], None, FLAT, 0, True) == 0          # k_max 0
+
+
+def test_large_batch_with_steep_target_cost_drafts_shorter():
+    one, many = plan_draft_length([0.8], DRAFT, STEEP, 8, False), plan_draft_length([0.8] * 32, DRAFT, STEEP, 8, False)
+    assert (one, many) == (5, 2)
+    # the group is one row but the target forward carries 32: priced at 32 rows
+    assert plan_draft_length([0.8], DRAFT, STEEP, 8, False, target_rows=32) == 2
+    # the worked example of the docstring
+    lin = ForwardCost({(16, 1): 11.0, (16, 2): 12.0})
+    steep = ForwardCost({(16, 1): 20.0, (16, 2): 30.0})
+    assert plan_draft_length([0.8] * 16, None, lin, 12, True) == 6
+    assert plan_draft_length([0.8] * 16, None, steep, 12, True) == 2
+
+
+def test_deterministic_drafter_ignores_drafter_cost():
+    huge = ForwardCost({(1, 1): 100.0, (32, 1): 100.0})
+    assert plan_draft_length([0.7] * 4, huge, STEEP, 8, False) == 0
+    free = plan_draft_length([0.7] * 4, None, STEEP, 8, True)
+    assert free == plan_draft_length([0.7] * 4, huge, STEEP, 8, True) > 0
+
+
+# -- Planner on stand-in sequences ------------------------------------------------------------------
+def _seq(drafter="d", k=8, load_aware=True, accepted=0, drafted=0, steps=0):
+    stats = RequestStats(steps=steps, accepted_tokens=accepted, drafted_tokens=drafted)
+    return SimpleNamespace(req=SimpleNamespace(strategy=SimpleNamespace(load_aware=load_aware, drafter=drafter, k=k)),
+                           ctx=SimpleNamespace(stats=stats, planned_k=None))
+
+
+def test_planner_groups_by_drafter_caps_k_and_prices_the_whole_batch():
+    planner = Planner({"t": STEEP, "d": DRAFT}, "t", prior_alpha=0.8)
+    a, b, fixed = _seq(k=8), _seq(k=3), _seq(load_aware=False)
+    mag = _seq(drafter="mag", k=6)                                  # no cost table: free drafts
+    planner.plan([a, b, fixed, mag])
+    assert fixed.ctx.planned_k is None
+    assert a.ctx.planned_k == b.ctx.planned_k <= 3                  # one k per drafter, <= min strategy.k
+    assert a.ctx.planned_k == plan_draft_length([0.8, 0.8], DRAFT, STEEP, 3, False, target_rows=4)
+    assert mag.ctx.planned_k == plan_draft_length([0.8], None, STEEP, 6, True, target_rows=4)
+    assert list(planner.history) == [(4, a.ctx.planned_k), (4, mag.ctx.planned_k)]
+    assert sum(planner.counts[4].values()) == 2 and planner.last["d"][0] == 4
+
+
+def test_planner_acceptance_estimate_counts_tried_positions():
+    planner = Planner({"t": FLAT}, "t", prior_alpha=0.5, prior_weight=4.0)
+    s = _seq(drafter="m")
+    planner.plan([s])
+    assert planner.alpha("m") == pytest.approx(0.5)
+    s.ctx.stats.verification(4, 4)          # 4 accepts
+    planner.plan([s])
+    s.ctx.stats.verification(4, 1)          # 1 accept, 1 reject (positions 3, 4 never tried)
+    planner.plan([s])
+    g = (0.5 * 4 + 5) / (4 + 6)
+    assert planner.alpha("m") == pytest.approx(g)
+    assert planner.last["m"][2] == pytest.approx((g * 4 + 5) / (4 + 6))
+    planner.plan([])                        # finished: its counts stay in the drafter's estimate
+    assert planner.alpha("m") == pytest.approx(g)
+    # a new request starts from the drafter's estimate
+    planner.plan([t := _seq(drafter="m")])
+    assert planner.last["m"][2] == pytest.approx(g) and t.ctx.planned_k is not None
+
+
+def test_planner_probes_after_a_run_of_zero_plans():
+    planner = Planner({"t": STEEP, "d": ForwardCost({(1, 1): 50.0, (32, 1): 50.0})}, "t", probe_every=3)
+    s = _seq()
+    ks = []
+    for _ in range(6):
+        planner.plan([s])
+        ks.append(s.ctx.planned_k)
+    assert ks == [0, 0, 1, 0, 0, 1]
+
+
+# -- end to end: lossless on the tiny models --------------------------------------------------------
+PROMPTS = ["def fibonacci(n):\n", "import os\nclass ", "x = [i * i for i in", "for line in open("]
+
+
+@pytest.fixture(scope="module")
+def planned_engine():
+    cfg = load_config("configs/tiny.yaml")
+    cfg.engine.options["plan"] = "load_aware"           # the default asks for it: build_engine measures
+    ensure_built(cfg, progress=False)
+    engine = build_engine(cfg, planner=None)
+    assert engine.planner is not None and {"target", "drafter-large", "drafter-small"} <= set(engine.planner.costs)
+    return engine
+
+
+def _req(prompt, strategy, **options):
+    return GenerationRequest(prompt=prompt, max_new_tokens=24, seed=0, sampling=SamplingParams(0.0),
+                             strategy=strategy, options=options, ignore_eos=True)
+
+
+def test_load_aware_greedy_equals_autoregressive(planned_engine):
+    engine = planned_engine
+    ref = [r.token_ids for r in engine.generate_many([_req(p, "autoregressive") for p in PROMPTS])]
+    assert all(len(r) == 24 for r in ref)
+    before = len(engine.planner.history)
+    # batch 1
+    one = engine.generate_many([_req(PROMPTS[0], "speculative", drafter="drafter-large", k=5, plan="load_aware")])
+    assert one[0].token_ids == ref[0]
+    assert len(engine.planner.history) > before and all(b == 1 for b, _ in list(engine.planner.history)[before:])
+    # batch 4: two drafter groups and a fixed-k request sharing the target forward
+    reqs = [_req(PROMPTS[0], "speculative", drafter="drafter-large", k=5, plan="load_aware"),
+            _req(PROMPTS[1], "speculative", drafter="drafter-small", k=3, plan="load_aware"),
+            _req(PROMPTS[2], "speculative", drafter="drafter-large", k=2, plan="load_aware"),
+            _req(PROMPTS[3], "speculative", drafter="drafter-large", k=4, plan="fixed")]
+    out = engine.generate_many(reqs)
+    assert [r.token_ids for r in out] == ref
+    assert 4 in engine.planner.counts
+    assert all(k <= 5 for _, k in engine.planner.history)
+
+
+def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):
+    """The measured costs of the tiny models may well plan k = 0 (their drafters cost half the target);
+    with a flat target and free drafts the plan is k = min(strategy.k) of each group, so this drafts."""
+    engine, measured = planned_engine, planned_engine.planner
+    ref = [r.token_ids for r in engine.generate_many([_req(p, "autoregressive") for p in PROMPTS[:3]])]
+    engine.planner = Planner({"target": FLAT}, "target")
+    try:
+        reqs = [_req(PROMPTS[0], "speculative", drafter="drafter-large", k=5, plan="load_aware"),
+                _req(PROMPTS[1], "speculative", drafter="drafter-small", k=3, plan="load_aware"),
+                _req(PROMPTS[2], "speculative", drafter="drafter-large", k=2, plan="load_aware")]
+        out = engine.generate_many(reqs)
+        history = list(engine.planner.history)
+    finally:
+        engine.planner = measured
+    assert [r.token_ids for r in out] == ref
+    assert history[:2] == [(3, 2), (3, 3)] and {k for _, k in history} <= {2, 3}
+    assert all(r.stats.drafted_tokens > 0 for r in out)
