@@ -58,6 +58,7 @@ class Engine:
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
+        self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
 
     @classmethod
     def configured(cls, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, spec,
@@ -122,6 +123,9 @@ class Engine:
         if joined:
             self._prefill(joined)
         running = [s for s in self.scheduler.running if s.status != FINISHED]
+        if running:
+            self.steps += 1
+            self.step_rows += len(running)
         for seq in running:
             seq.begin_step()
         if self.planner is not None:

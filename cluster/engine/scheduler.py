@@ -36,11 +36,19 @@ class Scheduler:
         if budget is not None and seq.reserved_tokens > budget:
             raise OverloadedError(f"request needs {seq.reserved_tokens} KV positions, more than the "
                                   f"whole budget of {budget}")
-        room = max(0, self.limits.max_batch - len(self.running))     # waiting requests that join next step
-        if len(self.waiting) >= self.limits.max_queue + room:
+        if self._would_wait([*self.waiting, seq]) > self.limits.max_queue:
             raise OverloadedError(f"server busy: {len(self.running)} running and {len(self.waiting)} waiting "
                                   f"(max_batch {self.limits.max_batch}, max_queue {self.limits.max_queue})")
         self.waiting.append(seq)
+
+    def _would_wait(self, queue: list[Sequence]) -> int:
+        """How many of ``queue`` would still wait after the next :meth:`schedule` (joining in order)."""
+        rows, reserved, budget = len(self.running), self.kv_reserved, self.limits.kv_budget_tokens
+        for i, seq in enumerate(queue):
+            if rows >= self.limits.max_batch or (budget is not None and reserved + seq.reserved_tokens > budget):
+                return len(queue) - i
+            rows, reserved = rows + 1, reserved + seq.reserved_tokens
+        return 0
 
     def _fits(self, seq: Sequence) -> bool:
         budget = self.limits.kv_budget_tokens

@@ -181,6 +181,17 @@ def test_kv_budget_requests_wait_until_budget_frees():
     assert all(s.finish == "length" for s in (a, b, c, d)) and _empty(models)
 
 
+def test_queue_limit_counts_requests_the_kv_budget_keeps_waiting():
+    """Free batch places do not count as room when the KV budget keeps the queue from joining: with one
+    request holding 15 of 20 positions, only max_queue = 1 more request of 15 may wait."""
+    engine, _ = _engine(Limits(max_batch=4, max_queue=1, kv_budget_tokens=20))
+    engine.add(_req("a", 12, prompt=(0, 1)))            # 2 + 12 + 1 = 15
+    engine.step()
+    engine.add(_req("b", 12, prompt=(0, 1)))            # waits for the budget
+    with pytest.raises(OverloadedError, match="1 running and 1 waiting"):
+        engine.add(_req("c", 12, prompt=(0, 1)))
+
+
 def test_head_of_line_request_blocks_later_smaller_ones():
     """Arrival order is kept: a waiting request too large for the free budget is not overtaken."""
     engine, _ = _engine(Limits(max_batch=8, kv_budget_tokens=20))
