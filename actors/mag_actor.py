@@ -8,7 +8,7 @@ call protocol as :class:`actors.model_actor.ModelHost`; its handle declares itse
 """
 from __future__ import annotations
 
-from actors.model_actor import ModelHost
+from actors.model_actor import MAX_RESTARTS, ModelHost
 from cluster.models.build import build_handle
 
 
@@ -20,4 +20,5 @@ class MagHost(ModelHost):
 
 def start_mag_actor(cfg, vocab_size: int, *, num_cpus: float):
     import ray
-    return ray.remote(MagHost).options(num_cpus=num_cpus, max_concurrency=2).remote(cfg, cfg.mag.name, vocab_size)
+    return ray.remote(MagHost).options(num_cpus=num_cpus, max_concurrency=2, max_restarts=MAX_RESTARTS).remote(
+        cfg, cfg.mag.name, vocab_size)

@@ -16,6 +16,8 @@ import torch
 from actors.protocol import StepCall, apply, picklable
 from cluster.models.build import build_handle
 
+MAX_RESTARTS = 10      # a model actor that dies is restarted by Ray (empty: its requests re-prefill it)
+
 
 class ModelHost:
     """The actor body (plain class: :mod:`actors.tp` and :mod:`actors.mag_actor` reuse it)."""
@@ -48,4 +50,4 @@ def start_model_actor(cfg, name: str, *, num_cpus: float, num_gpus: float = 0.0,
     """Create the actor for model ``name``; returns the handle (not yet waited on)."""
     import ray
     return ray.remote(ModelHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2,
-                                         **options).remote(cfg, name, threads)
+                                         max_restarts=MAX_RESTARTS, **options).remote(cfg, name, threads)

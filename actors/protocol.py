@@ -31,17 +31,24 @@ class StepCall:
     items: list = field(default_factory=list)                          # the method's per-request items
 
 
+class StateLostError(RuntimeError):
+    """The actor does not know a request it is asked about: it was restarted and its state is gone."""
+
+
 def apply(handle, call: StepCall) -> Any:
     """Run ``call`` on the hosted model handle (the actor side); returns the method's packed result."""
-    for op, rid, args in call.ops:
-        if op not in OPS:
-            raise ValueError(f"unknown op {op!r}")
-        getattr(handle, op)(rid, *args)
-    if call.method is None:
-        return None
-    if call.method not in METHODS:
-        raise ValueError(f"unknown method {call.method!r}")
-    return pack(getattr(handle, call.method)(call.items))
+    try:
+        for op, rid, args in call.ops:
+            if op not in OPS:
+                raise ValueError(f"unknown op {op!r}")
+            getattr(handle, op)(rid, *args)
+        if call.method is None:
+            return None
+        if call.method not in METHODS:
+            raise ValueError(f"unknown method {call.method!r}")
+        return pack(getattr(handle, call.method)(call.items))
+    except KeyError as e:                 # the handles raise KeyError for a request they do not hold
+        raise StateLostError(str(e)) from None
 
 
 def pack(out):

@@ -5,18 +5,54 @@ CLI can print it on one line (exit code 2) and the gRPC front can return it as `
 """
 from __future__ import annotations
 
+import reprlib
 from typing import Any
+
+SHOWN_CHARS = 80            # an offending value is echoed as at most this many characters of its repr
 
 
 class ParamError(ValueError):
-    """A request or configuration parameter is outside its allowed range."""
+    """A request or configuration parameter is outside its allowed range.  The value is echoed through
+    :func:`shown` (bounded, printable), so a huge, deeply nested or binary value never comes back whole."""
 
     def __init__(self, name: str, allowed: str, value: Any):
         self.name, self.allowed, self.value = name, allowed, value
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        super().__init__(f"invalid {name}: {shown} (allowed: {allowed})")
+        super().__init__(f"invalid {name}: {shown(value)} (allowed: {allowed})")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, SHOWN_CHARS, SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 8
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters, in time and memory bounded by ``limit``: strings are cut
+    before the repr, containers are shown two levels deep, huge integers by their size; non-printable
+    characters (lone surrogates, controls) come out escaped, as ``repr`` writes them."""
+    try:
+        if isinstance(value, (str, bytes, bytearray)):
+            text = repr(value[:limit])
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+            text = f"<{'-' if value < 0 else ''}integer of {value.bit_length()} bits>"
+        else:
+            text = _REPR.repr(value)
+    except Exception:                      # noqa: BLE001 - a value whose repr fails is shown by its type
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_text(name: str, value: Any, max_chars: int, *, allow_empty: bool = False) -> str:
+    """Return ``value`` if it is a string of at most ``max_chars`` characters of valid Unicode (no lone
+    surrogates: it must encode as UTF-8), non-empty unless ``allow_empty``; else raise :class:`ParamError`."""
+    allowed = f"text of {0 if allow_empty else 1} to {max_chars} characters"
+    if not isinstance(value, str) or len(value) > max_chars or not (value or allow_empty):
+        raise ParamError(name, allowed, value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(name, f"{allowed} of valid Unicode (a lone surrogate at character {e.start})",
+                         value) from None
+    return value
 
 
 class ConfigError(ValueError):
@@ -25,6 +61,18 @@ class ConfigError(ValueError):
 
 class OverloadedError(RuntimeError):
     """The server's request queue is full (gRPC ``RESOURCE_EXHAUSTED``)."""
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model (actor) is gone or not answering (gRPC ``UNAVAILABLE``); the message is safe to show."""
+
+    def __init__(self, model: str, why: str = "not available"):
+        self.model = model
+        super().__init__(f"model {model} is {why}; retry shortly")
+
+
+class DeadlineExceededError(RuntimeError):
+    """A request ran past its deadline and was stopped (gRPC ``DEADLINE_EXCEEDED``)."""
 
 
 def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:

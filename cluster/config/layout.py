@@ -54,7 +54,7 @@ class ClusterSpec:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     warmup_tokens: int = 4            # tokens generated per strategy before health says SERVING
-    call_timeout_s: float = 300.0     # a model call that takes longer fails the request
+    call_timeout_s: float = 30.0      # a model call that takes longer marks the model down (UNAVAILABLE)
 
     def validate(self, path: str) -> None:
         if self.topology not in TOPOLOGIES:

@@ -69,6 +69,7 @@ class EngineSpec:
     max_batch: int = 32                     # requests decoded together in one engine step (per serving unit)
     max_queue: int = 64                     # requests waiting for a place; beyond: RESOURCE_EXHAUSTED / 429
     kv_budget_tokens: int | None = None     # KV positions the running requests may reserve (None: unlimited)
+    request_timeout_s: float | None = 600.0  # server-side deadline: a request still running then is stopped
 
     @property
     def capacity(self) -> int:
@@ -80,6 +81,9 @@ class EngineSpec:
             v = getattr(self, name)
             if not low <= v <= high:
                 raise ConfigError(f"{path}.{name}: must be in [{low}, {high}], got {v}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ConfigError(f"{path}.request_timeout_s: must be > 0 (or null: no deadline), "
+                              f"got {self.request_timeout_s}")
         if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
             raise ConfigError(f"{path}.kv_budget_tokens: must be >= 1 (or null: unlimited), "
                               f"got {self.kv_budget_tokens}")

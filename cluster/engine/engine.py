@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.batching import group_calls, prefill, run_group
+from cluster.engine.health import ModelHealth
 from cluster.engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -28,8 +30,8 @@ from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, Sequence
 from cluster.engine.stop import StopDecoder
 from cluster.engine.validate import prepare
-from cluster.errors import ParamError
-from cluster.strategies import StepContext
+from cluster.errors import DeadlineExceededError, ModelUnavailableError, ParamError
+from cluster.strategies import REGISTRY, StepContext
 
 log = logging.getLogger("specserve.engine")
 
@@ -44,7 +46,8 @@ class Engine:
 
     def __init__(self, models: dict[str, ModelHandle], tokenizer: Tokenizer, *, target: str = "target",
                  default_strategy: str = "speculative", defaults: dict[str, Any] | None = None,
-                 max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None):
+                 max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None,
+                 request_timeout_s: float | None = None):
         if target not in models:
             raise ValueError(f"models must include the target {target!r}")
         self.models, self.tokenizer, self.target = dict(models), tokenizer, target
@@ -55,6 +58,9 @@ class Engine:
         self.vocab_size = min(m.vocab_size for m in self.models.values())
         self.scheduler = Scheduler(limits)
         self.planner = planner
+        self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
+        self.health = ModelHealth(self.models)
+        self._fallback = REGISTRY["autoregressive"]({}, self.models, target)   # target-only steps
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
@@ -66,7 +72,8 @@ class Engine:
         """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
         return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
-                   limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens))
+                   limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens),
+                   request_timeout_s=spec.request_timeout_s)
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
@@ -87,6 +94,10 @@ class Engine:
                           list(req.prompt_ids), 0)
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
+        if self.request_timeout_s is not None:
+            seq.deadline = seq.t0 + self.request_timeout_s
+        if self.target in self.health.down and not self.health.refresh() & {self.target}:
+            raise ModelUnavailableError(self.target)
         with self._lock:
             if req.rid in self._live:
                 raise ParamError("request_id", "an id not used by a live request", req.rid)
@@ -113,13 +124,21 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine step for every running request; returns the requests that ended in it."""
+        now = time.perf_counter()
         with self._lock:
             ended = [self._live[rid] for rid in self._aborted if rid in self._live]
             self._aborted.clear()
             for seq in ended:
                 seq.finish = "cancelled"
                 self._end(seq)
+            for seq in [s for s in self._live.values() if s.expired(now)]:
+                self._fail(seq, DeadlineExceededError(f"request {seq.rid} ran past its deadline of "
+                                                      f"{self.request_timeout_s:g}s"), finish="deadline")
+                ended.append(seq)
             joined = self.scheduler.schedule()
+        if self.health.down:
+            self.health.refresh()
+        self._restore()
         if joined:
             self._prefill(joined)
         running = [s for s in self.scheduler.running if s.status != FINISHED]
@@ -142,36 +161,86 @@ class Engine:
                 ended.append(seq)
         return ended
 
-    def _prefill(self, joined: list[Sequence]) -> None:
+    def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
+        """Start ``joined`` on their models (or on ``names`` only: a model that is back), one batched call each."""
         for name in dict.fromkeys(r for s in joined for r in s.req.strategy.roles()):
+            if names is not None and name not in names:
+                continue
+            if name in self.health.down:
+                for s in joined:
+                    s.stale.add(name)
+                continue
             items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
             try:
-                prefill(self.models[name], [(s.rid, list(s.req.prompt_ids), s.req.sampling, s.req.seed)
-                                            for s in items])
+                prefill(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed) for s in items])
+                for s in items:
+                    s.stale.discard(name)
+            except ModelUnavailableError as e:
+                self._model_down(name, e, items)
             except Exception as e:                       # noqa: BLE001 - fails these requests only
                 for s in items:
                     self._fail(s, e)
+
+    def _restore(self) -> None:
+        """Prefill models that answer again with their requests' committed tokens."""
+        back = {m for s in self.scheduler.running for m in s.stale} - self.health.down
+        if back:
+            self._prefill([s for s in self.scheduler.running if s.stale & back], back)
+
+    def model_down(self, name: str, error: BaseException) -> None:
+        """Mark ``name`` down (also from a health watchdog's thread): every live request's state there is
+        lost; requests go on without a drafter, and fail at their next target call without the target."""
+        self.health.mark_down(name, error)
+        for s in self.live():
+            if name in s.req.strategy.roles():
+                s.stale.add(name)
+
+    def _model_down(self, name: str, error: BaseException, seqs: list[Sequence]) -> None:
+        """``name`` stopped answering during ``seqs``' calls: the target fails them (nothing can go on)."""
+        self.model_down(name, error)
+        if name == self.target:
+            for s in seqs:
+                self._fail(s, error if isinstance(error, ModelUnavailableError) else ModelUnavailableError(name))
 
     def _run_steps(self, running: list[Sequence]) -> dict[Sequence, Any]:
         """Advance every request's strategy step to completion, batching their model calls per round."""
         gens, pending, out = {}, {}, {}
         for seq in running:
-            gens[seq] = seq.req.strategy.step(seq.ctx)
+            if seq.status == FINISHED:
+                continue
+            gens[seq] = self._step_of(seq)
             self._advance(seq, gens[seq], None, pending, out)
         while pending:
             for (model, kind), seqs in group_calls(pending, self.target).items():
                 try:
                     results = run_group(self.models[model], kind, [(s.rid, pending[s]) for s in seqs])
+                except ModelUnavailableError as e:
+                    if model == self.target:
+                        self.health.mark_down(model, e)
+                    results = [e] * len(seqs)
                 except Exception as e:                   # noqa: BLE001 - fails this group's requests only
                     results = [e] * len(seqs)
                 for seq, result in zip(seqs, results):
                     del pending[seq]
-                    if isinstance(result, BaseException):
+                    if isinstance(result, ModelUnavailableError) and model != self.target:
+                        gens[seq].close()                # a drafter went away: redo this step on the target
+                        self._model_down(model, result, [seq])
+                        self.models[self.target].rollback(seq.rid, len(seq.ctx.tokens))
+                        gens[seq] = self._step_of(seq)
+                        self._advance(seq, gens[seq], None, pending, out)
+                    elif isinstance(result, BaseException):
                         gens[seq].close()
                         out[seq] = result
                     else:
                         self._advance(seq, gens[seq], result, pending, out)
         return out
+
+    def _step_of(self, seq: Sequence):
+        """The request's strategy step, or a target-only step while one of its models is down or stale."""
+        roles = set(seq.req.strategy.roles()) - {self.target}
+        if roles & (self.health.down | seq.stale):
+            return self._fallback.step(seq.ctx)
+        return seq.req.strategy.step(seq.ctx)
 
     @staticmethod
     def _advance(seq, gen, value, pending, out) -> None:
@@ -182,9 +251,9 @@ class Engine:
         except Exception as e:                           # noqa: BLE001 - a strategy error fails its request
             out[seq] = e
 
-    def _fail(self, seq: Sequence, error: BaseException) -> None:
+    def _fail(self, seq: Sequence, error: BaseException, finish: str = "error") -> None:
         log.error("request %s failed: %s: %s", seq.rid, type(error).__name__, error)
-        seq.error, seq.finish = error, "error"
+        seq.error, seq.finish = error, finish
         self._end(seq)
 
     def _end(self, seq: Sequence) -> None:

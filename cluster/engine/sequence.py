@@ -16,7 +16,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)                   # identity: one object per live request
 class Sequence:
     """One request from admission to release.  ``sink`` receives every :class:`StreamChunk` (the last
-    one carries the result); ``finish`` ends as length | eos | stop | cancelled | error (then ``error``
+    one carries the result); ``finish`` ends as length | eos | stop | cancelled | deadline | error (then ``error``
     holds the exception)."""
 
     req: PreparedRequest
@@ -31,6 +31,8 @@ class Sequence:
     error: BaseException | None = None
     chunks: list[StreamChunk] = field(default_factory=list)    # when there is no sink
     t0: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None          # perf_counter time by which it must end (None: no deadline)
+    stale: set[str] = field(default_factory=set)   # models that lost this request's state (re-prefill)
 
     @property
     def rid(self) -> str:
@@ -44,6 +46,9 @@ class Sequence:
     @property
     def stats(self) -> RequestStats:
         return self.ctx.stats
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now > self.deadline
 
     def begin_step(self) -> None:
         self.ctx.budget = self.req.max_new_tokens - len(self.generated)

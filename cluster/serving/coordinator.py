@@ -46,11 +46,38 @@ class Coordinator:
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics
-        self.ready = False
+        self.warm = False
         self._wake = threading.Condition()
+        self._stop = threading.Event()
         self._stopped = False
         self._loop = threading.Thread(target=self._run, daemon=True, name="specserve-step-loop")
         self._loop.start()
+        self._watch = threading.Thread(target=self._watchdog, daemon=True, name="specserve-watchdog")
+        self._watch.start()
+
+    @property
+    def ready(self) -> bool:
+        """SERVING: warmed up and the target answers (a dead target flips this within a watchdog period)."""
+        return self.warm and self.cfg.target not in self.engine.health.down
+
+    def _watchdog(self, period_s: float = 1.0) -> None:
+        """Ping every actor each ``period_s``: mark a model down as soon as it stops answering (health turns
+        NOT_SERVING at once for the target), and probe the ones that are down until they are back."""
+        import ray
+        remote = {n: e for n, e in self.entries.items() if e.placement != "local"}
+        while not self._stopped:
+            refs = {n: [a.health.remote() for a in e.handle.endpoint.actors] for n, e in remote.items()
+                    if n not in self.engine.health.down}
+            deadline = time.perf_counter() + 2.0 * period_s
+            for name, rs in refs.items():
+                try:
+                    ray.get(rs, timeout=max(0.01, deadline - time.perf_counter()))
+                except Exception as e:                  # noqa: BLE001 - dead, restarting or hung
+                    self.engine.model_down(name, e)
+            if self.engine.health.down:
+                self.engine.health.refresh()
+                self._notify()
+            self._stop.wait(period_s)
 
     # -- the step loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,7 +188,7 @@ class Coordinator:
             errors = {s.req.strategy_name: s.error for s in seqs if s.error is not None}
             for name, e in errors.items():
                 log.warning("warm-up of %s failed: %s", name, e)
-        self.ready = True
+        self.warm = True
 
     def health(self) -> dict:
         """Ping every actor (raises if one is gone)."""
@@ -184,9 +211,10 @@ class Coordinator:
                 e.handle.reset_timing()
 
     def shutdown(self) -> None:
+        self._stop.set()
         with self._wake:
             self._stopped = True
-            self._wake.notify()
+            self._wake.notify_all()
         for ep in self._endpoints:
             try:
                 ep.kill()

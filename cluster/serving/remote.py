@@ -17,16 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.protocol import StepCall, nbytes, unpack
+from actors.protocol import StateLostError, StepCall, nbytes, unpack
 from cluster.core.sampling import SamplingParams
+from cluster.errors import ModelUnavailableError
 
 
 class Endpoint:
     """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group, called through Ray."""
 
-    def __init__(self, actors: list, *, timeout_s: float = 300.0, placement_group=None):
+    def __init__(self, actors: list, *, name: str = "model", timeout_s: float = 300.0, placement_group=None):
         self.actors, self.timeout_s, self.placement_group = list(actors), timeout_s, placement_group
+        self.name = name
         self._submit = threading.Lock()      # every rank must see calls in the same order
+        self._probe = None
 
     def _all(self, method: str, *args):
         import ray
@@ -35,8 +38,39 @@ class Endpoint:
         return ray.get(refs, timeout=self.timeout_s)
 
     def step(self, call: StepCall):
-        """-> (result of rank 0, its compute seconds)."""
-        return self._all("step", call)[0]
+        """-> (result of rank 0, its compute seconds); :class:`ModelUnavailableError` when an actor is gone
+        or does not answer within ``timeout_s`` (Ray restarts a dead model actor; see ``probe``)."""
+        from ray.exceptions import (
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
+        try:
+            return self._all("step", call)[0]
+        except (RayActorError, ActorUnavailableError) as e:
+            raise ModelUnavailableError(self.name, "gone (its actor died)") from e
+        except RayTaskError as e:
+            if isinstance(e.cause, StateLostError):       # restarted before anyone noticed: state is gone
+                raise ModelUnavailableError(self.name, "restarted") from e
+            raise
+        except GetTimeoutError as e:
+            raise ModelUnavailableError(self.name, f"not answering within {self.timeout_s:g}s") from e
+
+    def probe(self) -> bool:
+        """Non-blocking: True once every actor answers a health call again (after a restart)."""
+        import ray
+        if self._probe is None:
+            self._probe = [a.health.remote() for a in self.actors]
+        ready, _ = ray.wait(self._probe, num_returns=len(self._probe), timeout=0)
+        if len(ready) < len(self._probe):
+            return False
+        refs, self._probe = self._probe, None
+        try:
+            ray.get(refs, timeout=1.0)
+            return True
+        except Exception:                                # noqa: BLE001 - still down: probe again later
+            return False
 
     def active_requests(self) -> list[str]:
         return self._all("active_requests")[0]
@@ -127,6 +161,9 @@ class RemoteHandle:
 
     def active_requests(self) -> list[str]:
         return self.endpoint.active_requests()
+
+    def probe(self) -> bool:
+        return self.endpoint.probe()
 
     def reset_timing(self) -> None:
         self.timing = CallTiming()

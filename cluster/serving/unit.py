@@ -16,6 +16,8 @@ from cluster.config.schema import Config
 from cluster.models.build import build_handle, load_tokenizer
 from cluster.serving.remote import Endpoint, RemoteHandle
 
+STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
+
 
 @dataclass
 class ModelEntry:
@@ -50,19 +52,19 @@ def build_unit(cfg: Config, topology: str | None = None):
             started[name] = ([actor], None, "actor")
         else:
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
-    infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=cl.call_timeout_s)
+    infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=STARTUP_TIMEOUT_S)
     endpoints: list[Endpoint] = []
     for (name, (actors, pg, placement)), info in zip(started.items(), infos):
-        ep = Endpoint(actors, timeout_s=cl.call_timeout_s, placement_group=pg)
+        ep = Endpoint(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg)
         endpoints.append(ep)
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
     vocab = entries[cfg.target].handle.vocab_size
     if cfg.mag is not None and separated:                                       # MaG as an actor too ...
         actor = start_mag_actor(cfg, vocab, num_cpus=cl.drafters.num_cpus)
-        ep = Endpoint([actor], timeout_s=cl.call_timeout_s)
+        ep = Endpoint([actor], name=cfg.mag.name, timeout_s=cl.call_timeout_s)
         endpoints.append(ep)
-        info = ray.get(actor.info.remote(), timeout=cl.call_timeout_s)
+        info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "actor", RemoteHandle(ep, info))
     elif cfg.mag is not None:                                                   # ... or in-process
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",

@@ -1,0 +1,39 @@
+"""Which models of an engine are down, and the fallback that keeps their requests going.
+
+When a drafter (or the Max-Gram drafter) stops answering (:class:`ModelUnavailableError`), the engine marks it
+down and its requests continue on the target alone: each step becomes a plain autoregressive step, which emits
+exactly the target's distribution, so lossless strategies keep their output law.  A request's state on a model
+that went down is *stale*; once the model answers again (its handle's ``probe()``: e.g. a restarted actor), the
+engine prefills it with the request's committed tokens and speculation resumes.  The target going down fails its
+requests with :class:`ModelUnavailableError` (nothing can continue without it) until it answers again.
+"""
+from __future__ import annotations
+
+import logging
+
+from cluster.core.interfaces import ModelHandle
+
+log = logging.getLogger("specserve.engine")
+
+
+class ModelHealth:
+    def __init__(self, models: dict[str, ModelHandle]):
+        self.models = models
+        self.down: set[str] = set()
+
+    def mark_down(self, name: str, why: BaseException) -> None:
+        if name not in self.down:
+            log.warning("model %s is down (%s); its requests continue without it", name, why)
+        self.down.add(name)
+
+    def refresh(self) -> set[str]:
+        """Probe the models that are down; returns the ones that answer again."""
+        back = set()
+        for name in list(self.down):
+            probe = getattr(self.models[name], "probe", None)
+            if probe is None or probe():
+                back.add(name)
+        if back:
+            log.warning("model(s) %s answer again", ", ".join(sorted(back)))
+        self.down -= back
+        return back
