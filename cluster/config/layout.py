@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from cluster.errors import ConfigError
 
 TOPOLOGIES = ("separated", "colocated")   # drafters in their own actors, or inside the coordinator
+# Where a single-rank target runs: in the coordinator's process, so the step loop and verification sit where the
+# target's logits are and only drafts cross processes (the fewest bytes: no [L+1, V] logits per request and
+# step), or in an actor of its own (isolates it; costs a round trip per step).  A TP target is always actors.
+TARGET_PLACEMENTS = ("coordinator", "actor")
 
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -43,6 +47,7 @@ class ActorResources:
 @dataclass(frozen=True)
 class ClusterSpec:
     topology: str = "separated"
+    target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
     tp_size: int = 1                  # target ranks (one placement group)
     backend: str = "auto"             # torch.distributed backend for TP: auto = nccl on GPU, else gloo
     target: ActorResources = field(default_factory=ActorResources)        # per TP rank
@@ -57,6 +62,9 @@ class ClusterSpec:
     call_timeout_s: float = 30.0      # a model call that takes longer marks the model down (UNAVAILABLE)
 
     def validate(self, path: str) -> None:
+        if self.target_placement not in TARGET_PLACEMENTS:
+            raise ConfigError(f"{path}.target_placement: one of {', '.join(TARGET_PLACEMENTS)}, "
+                              f"got {self.target_placement!r}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if self.backend not in BACKENDS:

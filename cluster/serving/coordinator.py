@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import AsyncIterator
 
+import torch
+
 from cluster.config.schema import Config
 from cluster.engine.engine import Engine
 from cluster.engine.request import (
@@ -39,6 +41,7 @@ class Coordinator:
     """One serving unit's engine, its step loop, and request bookkeeping (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None, planner=None):
+        torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.topology
         self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
         self.engine = Engine.configured({n: e.handle for n, e in self.entries.items()}, self.tokenizer,

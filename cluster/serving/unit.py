@@ -1,8 +1,9 @@
 """A serving unit on Ray: start its actors and connect remote handles (the cluster's composition root).
 
-Counterpart of :mod:`cluster.local`: the target (an actor, or a tensor-parallel group), the drafters and the
-Max-Gram drafter (each its own actor in the default ``separated`` topology, in-process in ``colocated``),
-every one built by :func:`cluster.models.build.build_handle`.
+Counterpart of :mod:`cluster.local`: the drafters and the Max-Gram drafter (each its own actor in the default
+``separated`` topology, in-process in ``colocated``), and the target (in the coordinator's process by default,
+so verification runs where its logits are; an actor with ``target_placement: actor``; a tensor-parallel group
+of rank actors when ``tp_size > 1``), every one built by :func:`cluster.models.build.build_handle`.
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ def build_unit(cfg: Config, topology: str | None = None):
                                        num_gpus=cl.target.num_gpus, threads=cl.target.threads,
                                        backend=cl.tp_backend(), device=cfg.models[cfg.target].device)
         started[cfg.target] = (actors, pg, "tp-group")
-    else:                                        # ... or one actor
+    elif cl.target_placement == "actor":        # ... or one actor
         actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
                                   threads=cl.target.threads)
         started[cfg.target] = ([actor], None, "actor")
+
     for name in cfg.drafters:
         if separated:
             actor = start_model_actor(cfg, name, num_cpus=cl.drafters.num_cpus, num_gpus=cl.drafters.num_gpus,
@@ -52,6 +54,8 @@ def build_unit(cfg: Config, topology: str | None = None):
             started[name] = ([actor], None, "actor")
         else:
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
+    if cfg.target not in started:                # ... or in this (the coordinator's) process, while actors load
+        entries[cfg.target] = ModelEntry(cfg.target, "target", "local", build_handle(cfg, cfg.target))
     infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=STARTUP_TIMEOUT_S)
     endpoints: list[Endpoint] = []
     for (name, (actors, pg, placement)), info in zip(started.items(), infos):

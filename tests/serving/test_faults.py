@@ -45,7 +45,8 @@ def unit():
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
     cfg = load_config("configs/tiny.yaml")
-    cfg = dataclasses.replace(cfg, mag=MagSpec(), cluster=dataclasses.replace(cfg.cluster, call_timeout_s=10.0))
+    cfg = dataclasses.replace(cfg, mag=MagSpec(), cluster=dataclasses.replace(
+        cfg.cluster, call_timeout_s=10.0, target_placement="actor"))     # every model its own actor
     local = engine_for(cfg)                     # builds the bigram table too (entry point)
     coord = Coordinator(cfg)
     coord.warmup(2)
