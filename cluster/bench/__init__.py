@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, main, verify
+from cluster.bench import cascades, cluster, cs, load, main, verify
 
 SUITES = {
     "main": main.run,
@@ -12,4 +12,5 @@ SUITES = {
     "verify": verify.run_verify,
     "cascades": cascades.run_cascades,
     "cs": cs.run,
+    "load": load.run,
 }

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
     b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
     b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
+    b.add_argument("--concurrency", help="load suite: comma-separated client counts (default 1,2,4,8,16,32)")
+    b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
 
     d = sub.add_parser("demo", help="build the family if needed, complete held-out prompts, print stats")
     _add_config(d)

@@ -18,7 +18,8 @@ estimate is Beta-style, alpha_i = (g * w + accepts_i) / (w + accepts_i + rejects
 drafter's global estimate g = (prior_alpha * w + A) / (w + A + R) over the live and recently finished
 requests (w = prior_weight).  (accepted_tokens / drafted_tokens would understate alpha: at alpha = 0.8
 and k = 4 it reads 0.59.)  A group that plans k = 0 learns nothing, so every ``probe_every``-th
-consecutive k = 0 plan drafts one token instead.  The measuring lives with the caller
+consecutive k = 0 plan drafts one token instead.  The prior is optimistic (0.8: drafting is the point, and a
+wrong optimistic prior is corrected within a few steps, while a pessimistic one only by the probes).  The measuring lives with the caller
 (:func:`cluster.local.measure_planner`): the engine does not import models.
 """
 from __future__ import annotations
@@ -61,8 +62,8 @@ class Planner:
     ``last`` (drafter -> (batch size, k, mean alpha) of its latest plan) and :meth:`alpha`.
     """
 
-    def __init__(self, costs: dict[str, ForwardCost], target: str, *, prior_alpha: float = 0.6,
-                 prior_weight: float = 4.0, probe_every: int = 32, memory: int = 4096, history: int = 10000):
+    def __init__(self, costs: dict[str, ForwardCost], target: str, *, prior_alpha: float = 0.8,
+                 prior_weight: float = 4.0, probe_every: int = 8, memory: int = 4096, history: int = 10000):
         if target not in costs:
             raise ValueError(f"Planner: costs must include the target {target!r}")
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:

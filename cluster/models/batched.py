@@ -8,7 +8,7 @@ holds); a forward feeds each row's ``tokens[cached:]``, right-padded to the long
   input_ids     [B, n]        pending tokens, padding id 0 after a row's own ``n_b``
   position_ids  [B, n]        cached_b + j
   attention     [B, 1, n, T]  key t visible to query j of row b iff t <= cached_b + j (T = max cached_b + n);
-                              bool (True = attend) for sdpa, additive float (0 / dtype min) for eager and others.
+                              additive float (0 / dtype min), for sdpa and eager alike (faster than bool on CPU).
                               masking_utils returns an already prepared 4D mask as-is, and the slot cache writes
                               row b's new keys at cached_b + j, so padding only writes beyond the row's length.
   logits        [B, n, V]     only each row's first ``n_b`` rows are kept; hidden states [B, n, H] likewise.
@@ -197,8 +197,7 @@ class BatchedHFWorker:
         limit = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)  # [B, n]
         visible = torch.arange(length, device=self.device)[None, None, :] <= limit[:, :, None]           # [B, n, T]
         visible = visible[:, None]
-        if self.model.config._attn_implementation == "sdpa":
-            return visible
+        # additive float for every implementation: with sdpa a bool mask was measured ~1.5x slower at 16-32 rows
         dtype = self.model.dtype
         return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible,
                                                                                        torch.finfo(dtype).min)

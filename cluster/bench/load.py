@@ -1,0 +1,394 @@
+"""``specserve bench --suite load``: closed-loop load, throughput and latency vs concurrency.
+
+At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32) ``c`` clients each send their next
+request as soon as the previous one has finished, ``2 * c`` requests per level (held-out prompts cycled,
+``ignore_eos`` so every request generates exactly ``--max-new-tokens``).  Rows: autoregressive,
+speculative with the config's drafter and k, speculative with the load-aware planner
+(``plan=load_aware, k=8``; costs measured once at start) and CS Drafting (default options, where the
+models allow it), all on the SAME engine (``build_engine(cfg, planner=True)``) so nothing differs but
+the strategy.  Per level every row runs in turn on the same prompts (and each runtime in turn), so ratios
+are side by side on a noisy machine.  Every level keeps 2 * c requests: on the embedded family
+(configs/local.yaml) the default run, both runtimes, takes about 2.5 minutes here (cluster start-up
+~12-18 s of it), so no level is cut down.
+
+Runtimes (``--runtime``, default both): ``in-process`` drives ``engine.step()`` in this thread; ``cluster``
+is a :class:`Coordinator` on local Ray (its step loop in a background thread) with the clients as asyncio
+tasks iterating ``coord.stream(req)``.  Per request: TTFT = first chunk - submit, TPOT = (last chunk -
+first chunk) / (tokens - 1); per level: aggregate output tokens/s and the mean batch (engine rows per step).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.bench.report import print_table, write_results
+from cluster.core.sampling import SamplingParams
+from cluster.engine.planner import Planner
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ParamError, check_float, check_int
+from cluster.family.corpus import heldout_prompts
+from cluster.local import build_engine
+from cluster.serving.coordinator import Coordinator
+
+LEVELS = (1, 2, 4, 8, 16, 32)
+RUNTIMES = ("in-process", "cluster")
+LOAD_AWARE_K = 8
+WARMUP_TOKENS = 4
+
+
+def parse_concurrency(text) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, distinct; each in [1, 1024])."""
+    try:
+        levels = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text) from None
+    if not levels:
+        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text)
+    return sorted({check_int("concurrency", c, 1, 1024) for c in levels})
+
+
+def parse_runtimes(text) -> list[str]:
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names or any(n not in RUNTIMES for n in names):
+        raise ParamError("runtime", "comma-separated of " + ", ".join(RUNTIMES), text)
+    return [r for r in RUNTIMES if r in names]
+
+
+@dataclass
+class _Rec:
+    """One request as its client saw it."""
+
+    submit: float
+    first: float | None = None
+    last: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def on_chunk(self, chunk) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        if chunk.result is not None:
+            self.token_ids = list(chunk.result.token_ids)
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.submit
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.token_ids)
+        return (self.last - self.first) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class Level:
+    """One (runtime, row, concurrency) measurement: the requests and the engine's step counters."""
+
+    runtime: str
+    row: str
+    c: int
+    recs: list[_Rec]
+    seconds: float
+    steps: int
+    rows: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.recs)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def tpot_p99(self) -> float:
+        return _pct([r.tpot for r in self.recs], 99)
+
+
+@dataclass
+class Results:
+    table: list[dict]
+    levels: dict[tuple[str, str, int], Level]
+    prompts: list[list[int]]
+    max_new: int
+    greedy: bool
+
+
+def rows_for(engine, cfg) -> dict[str, tuple[str, dict]]:
+    """Row name -> (strategy, options), for the rows this engine can serve."""
+    k = int(cfg.engine.options.get("k", 4))
+    drafter = cfg.engine.options.get("drafter")
+    fixed = {"k": k, "plan": "fixed", **({"drafter": drafter} if drafter else {})}
+    aware = {"k": LOAD_AWARE_K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}
+    cands = {"autoregressive": ("autoregressive", {}), f"speculative k={k}": ("speculative", fixed),
+             f"load-aware k<={LOAD_AWARE_K}": ("speculative", aware),
+             f"load-aware mag k<={LOAD_AWARE_K}": ("mag", {"k": LOAD_AWARE_K, "plan": "load_aware"}),
+             "cs_drafting": ("cs_drafting", {})}
+    out = {}
+    for name, (strategy, opts) in cands.items():
+        try:
+            engine.prepare(GenerationRequest(prompt_ids=[0], max_new_tokens=1, strategy=strategy, options=opts))
+            out[name] = (strategy, opts)
+        except ParamError as e:
+            print(f"[bench load: row {name} skipped: {e}]")
+    return out
+
+
+def _requests(prompts, n, max_new, temperature, strategy, opts) -> list[GenerationRequest]:
+    return [GenerationRequest(prompt_ids=list(prompts[j % len(prompts)]), max_new_tokens=max_new,
+                              sampling=SamplingParams(temperature), seed=j, strategy=strategy,
+                              options=dict(opts), ignore_eos=True) for j in range(n)]
+
+
+def drive_in_process(engine, reqs: list[GenerationRequest], c: int) -> tuple[list[_Rec], float, int, int]:
+    """Closed loop in this thread: ``c`` requests in flight; a finished one is replaced by the next.
+    Returns (records in request order, seconds from the first submit to the last chunk, engine steps,
+    engine rows advanced)."""
+    recs: list[_Rec | None] = [None] * len(reqs)
+    done: list = []
+
+    def submit(i: int) -> None:
+        rec = recs[i] = _Rec(time.perf_counter())
+        engine.add(reqs[i], rec.on_chunk, done.append)
+
+    s0, r0 = engine.steps, engine.step_rows
+    t0 = time.perf_counter()
+    nxt = min(c, len(reqs))
+    for i in range(nxt):
+        submit(i)
+    while engine.has_work:
+        engine.step()
+        while done:
+            seq = done.pop(0)
+            if seq.error is not None:
+                raise seq.error
+            if nxt < len(reqs):
+                submit(nxt)
+                nxt += 1
+    return recs, max(r.last for r in recs) - t0, engine.steps - s0, engine.step_rows - r0
+
+
+class ClusterDriver:
+    """Closed loop against the coordinator: ``c`` asyncio clients iterating ``coord.stream``.  One event
+    loop for the whole run (the coordinator's step thread posts each request's end to the loop after its
+    last chunk, so the loop must outlive a level); after a level it waits for the engine to go idle
+    (the last request's release), untimed, so levels never overlap."""
+
+    def __init__(self, coord):
+        self.coord = coord
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, reqs: list[GenerationRequest], c: int) -> tuple[list[_Rec], float, int, int]:
+        recs: list[_Rec | None] = [None] * len(reqs)
+        order = iter(range(len(reqs)))
+        coord = self.coord
+
+        async def client() -> None:
+            for i in order:                      # shared: each client takes the next request when free
+                rec = recs[i] = _Rec(time.perf_counter())
+                async for chunk in coord.stream(reqs[i]):
+                    rec.on_chunk(chunk)
+
+        async def main() -> None:
+            await asyncio.gather(*(client() for _ in range(min(c, len(reqs)))))
+
+        engine = coord.engine
+        s0, r0 = engine.steps, engine.step_rows
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(main())
+        wall = max(r.last for r in recs) - t0
+        deadline = time.perf_counter() + 60.0
+        while engine.has_work and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return recs, wall, engine.steps - s0, engine.step_rows - r0
+
+    def close(self) -> None:
+        self.loop.run_until_complete(asyncio.sleep(0))     # drain the step thread's posted callbacks
+        self.loop.close()
+
+
+def collect(args, cfg) -> Results:
+    """Measure, print the table and the goals, write ``bench_load.{csv,json,png}`` to ``args.out``."""
+    import ray
+
+    n = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    temperature = check_float("temperature", args.temperature, 0.0, 100.0)
+    levels = parse_concurrency(getattr(args, "concurrency", None) or ",".join(map(str, LEVELS)))
+    runtimes = parse_runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
+    cap = cfg.engine.max_batch + cfg.engine.max_queue
+    if levels[-1] > cap:
+        raise ParamError("concurrency", f"at most engine.max_batch + engine.max_queue = {cap}", levels[-1])
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, planner=True)          # the load-aware row's costs, measured once
+    print(f"[bench load: engine and planner measured in {time.perf_counter() - t0:.1f}s]")
+    prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
+    rows = rows_for(engine, cfg)
+    drivers = {}
+    coord, cdriver, started = None, None, False
+    if "in-process" in runtimes:
+        drivers["in-process"] = lambda reqs, c: drive_in_process(engine, reqs, c)
+    try:
+        if "cluster" in runtimes:
+            started = not ray.is_initialized()
+            if started:
+                ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+            t0 = time.perf_counter()
+            coord = Coordinator(cfg, planner=Planner(engine.planner.costs, cfg.target))
+            print(f"[bench load: cluster up in {time.perf_counter() - t0:.1f}s "
+                  f"(topology {coord.topology}; planner costs from the in-process measurement)]")
+            drivers["cluster"] = cdriver = ClusterDriver(coord)
+        for rt, drive in drivers.items():            # warm-up (not timed): every row at the largest level
+            for strategy, opts in rows.values():
+                drive(_requests(prompts, levels[-1], min(WARMUP_TOKENS, max_new), temperature, strategy, opts),
+                      levels[-1])
+        measured: dict[tuple[str, str, int], Level] = {}
+        bar = tqdm(total=len(levels) * len(rows) * len(drivers), desc="bench load", unit="run")
+        for c in levels:
+            for name, (strategy, opts) in rows.items():
+                for rt, drive in drivers.items():
+                    bar.set_postfix_str(f"c={c} {name} {rt}")
+                    recs, secs, steps, nrows = drive(_requests(prompts, 2 * c, max_new, temperature, strategy,
+                                                               opts), c)
+                    measured[(rt, name, c)] = Level(rt, name, c, recs, secs, steps, nrows)
+                    bar.update()
+        bar.close()
+    finally:
+        if coord is not None:
+            coord.shutdown()
+        if cdriver is not None:
+            cdriver.close()
+        if started:
+            ray.shutdown()
+    table = make_table(measured, list(drivers), list(rows), levels)
+    title = (f"load: closed loop, 2*c requests per level, {len(prompts)} held-out prompts cycled x {max_new} "
+             f"tokens, temperature {temperature:g}, config {cfg.source}; ttft/tpot in ms")
+    print_table(table, title)
+    out = Path(args.out)
+    write_results(table, out, "bench_load")
+    plot(measured, list(drivers), list(rows), levels, out / "bench_load.png")
+    print(f"results written to {out / 'bench_load'}.{{csv,json,png}}")
+    if temperature == 0:
+        print(lossless_line(measured))
+    for line in goal_lines(measured, list(drivers), list(rows), levels):
+        print(line)
+    return Results(table, measured, prompts, max_new, temperature == 0)
+
+
+def run(args, cfg) -> int:
+    collect(args, cfg)
+    return 0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def make_table(measured, runtimes, rows, levels) -> list[dict]:
+    table = []
+    for rt in runtimes:
+        for name in rows:
+            base = measured.get((rt, name, 1))
+            for c in levels:
+                m = measured[(rt, name, c)]
+                ip = measured.get(("in-process", name, c)) if rt != "in-process" else None
+                table.append({
+                    "runtime": rt, "strategy": name, "concurrency": c, "requests": len(m.recs),
+                    "tokens": m.tokens, "seconds": round(m.seconds, 3), "tok_s": round(m.tok_s, 1),
+                    "vs_c1": round(m.tok_s / base.tok_s, 3) if base and base.tok_s else None,
+                    "ttft_p50": round(1e3 * _pct([r.ttft for r in m.recs], 50), 2),
+                    "ttft_p99": round(1e3 * _pct([r.ttft for r in m.recs], 99), 2),
+                    "tpot_p50": round(1e3 * _pct([r.tpot for r in m.recs], 50), 2),
+                    "tpot_p99": round(1e3 * m.tpot_p99(), 2),
+                    "mean_batch": round(m.rows / m.steps, 2) if m.steps else 0.0,
+                    "vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None})
+    return table
+
+
+def lossless_line(measured) -> str:
+    """Greedy: every row's output must equal the autoregressive row's for the same request (same runtime)."""
+    total = bad = 0
+    for (rt, name, c), m in measured.items():
+        ref = measured.get((rt, "autoregressive", c))
+        if ref is None or name == "autoregressive":
+            continue
+        for a, b in zip(m.recs, ref.recs):
+            total += 1
+            bad += a.token_ids != b.token_ids
+    return (f"lossless (greedy): {total - bad}/{total} requests equal the autoregressive row's output"
+            + ("" if not bad else "  <-- MISMATCH"))
+
+
+def goal_lines(measured, runtimes, rows, levels) -> list[str]:
+    """The issue's goals, each with the measured numbers and PASS/FAIL (n/a where a level is missing)."""
+    def tps(rt, name, c):
+        m = measured.get((rt, name, c))
+        return m.tok_s if m else None
+
+    def verdict(ok):
+        return "n/a " if ok is None else ("PASS" if ok else "FAIL")
+
+    out = ["goals:"]
+    for rt in runtimes:
+        a1, a16 = tps(rt, "autoregressive", 1), tps(rt, "autoregressive", 16)
+        ok = None if not (a1 and a16) else a16 >= 5 * a1
+        out.append(f"  [{verdict(ok)}] {rt}: autoregressive tok/s at c=16 >= 5x c=1: "
+                   + (f"{a16 / a1:.2f}x" if a1 and a16 else "needs c=1 and c=16"))
+        for aware in [r for r in rows if r.startswith("load-aware")]:
+            ratios = {c: tps(rt, aware, c) / tps(rt, "autoregressive", c) for c in levels
+                      if tps(rt, "autoregressive", c)}
+            ok1 = all(r >= 1.0 for r in ratios.values()) if ratios else None
+            out.append(f"  [{verdict(ok1)}] {rt}: {aware} >= autoregressive at every c: "
+                       + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items()))
+            ok2 = None if 1 not in ratios else ratios[1] >= 1.2
+            out.append(f"  [{verdict(ok2)}] {rt}: {aware} >= 1.2x autoregressive at c=1: "
+                       + (f"{ratios[1]:.2f}x" if 1 in ratios else "needs c=1"))
+        for name in rows:
+            m1, m16 = measured.get((rt, name, 1)), measured.get((rt, name, 16))
+            ok = None if not (m1 and m16) else m16.tpot_p99() <= 2 * m1.tpot_p99()
+            out.append(f"  [{verdict(ok)}] {rt}: {name}: p99 TPOT at c=16 <= 2x c=1: "
+                       + (f"{1e3 * m16.tpot_p99():.2f} vs {1e3 * m1.tpot_p99():.2f} ms "
+                          f"({m16.tpot_p99() / m1.tpot_p99():.2f}x)" if m1 and m16 and m1.tpot_p99()
+                          else "needs c=1 and c=16"))
+    if "cluster" in runtimes and "in-process" in runtimes:
+        for name in rows:
+            ratios = {c: tps("cluster", name, c) / tps("in-process", name, c) for c in levels
+                      if tps("in-process", name, c)}
+            ok = all(r >= 0.8 for r in ratios.values()) if ratios else None
+            out.append(f"  [{verdict(ok)}] cluster >= 0.8x in-process at every c, {name}: "
+                       + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items()))
+    return out
+
+
+def plot(measured, runtimes, rows, levels, path: Path) -> None:
+    """Two panels: aggregate tok/s and p99 TPOT vs concurrency (log2 x), a line per (runtime, row)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for rt in runtimes:
+        for name in rows:
+            ms = [measured[(rt, name, c)] for c in levels]
+            style = "-" if rt == "in-process" else "--"
+            ax1.plot(levels, [m.tok_s for m in ms], style, marker="o", label=f"{rt}: {name}")
+            ax2.plot(levels, [1e3 * m.tpot_p99() for m in ms], style, marker="o", label=f"{rt}: {name}")
+    for ax, ylabel in ((ax1, "aggregate output tokens/s"), (ax2, "p99 TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.set_xlabel("concurrency (closed-loop clients)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax1.set_title("throughput vs concurrency")
+    ax2.set_title("p99 time per output token vs concurrency")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
