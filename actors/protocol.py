@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cluster.core.sampling import onehot_logits
+
 OPS = ("rollback", "extend", "release")
 METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch")
 
@@ -46,9 +48,28 @@ def apply(handle, call: StepCall) -> Any:
             return None
         if call.method not in METHODS:
             raise ValueError(f"unknown method {call.method!r}")
-        return pack(getattr(handle, call.method)(call.items))
+        out = getattr(handle, call.method)(call.items)
+        return pack(tokens_only(call.method, out) if getattr(handle, "deterministic", False) else out)
     except KeyError as e:                 # the handles raise KeyError for a request they do not hold
         raise StateLostError(str(e)) from None
+
+
+def tokens_only(method: str, out):
+    """A deterministic drafter's one-hot logits travel as the tokens they mark (``k`` ints instead of
+    ``k x V`` floats); :func:`expand_onehot` rebuilds them on the caller's side."""
+    if method in ("propose_batch", "propose_adaptive_batch"):
+        return [(list(toks), None) for toks, _ in out]
+    if method == "score_batch":
+        return [logits.argmax(-1).tolist() for logits in out]
+    return out
+
+
+def expand_onehot(method: str, out, vocab_size: int):
+    if method in ("propose_batch", "propose_adaptive_batch"):
+        return [(toks, onehot_logits(toks, vocab_size)) for toks, _ in out]
+    if method == "score_batch":
+        return [onehot_logits(preds, vocab_size) for preds in out]
+    return out
 
 
 def pack(out):
@@ -78,9 +99,11 @@ def picklable(x):
 
 
 def nbytes(out) -> int:
-    """Payload bytes of a packed result (arrays only): what a step moves back per model."""
+    """Payload bytes of a packed result (arrays, and 8 per token id): what a step moves back per model."""
     if isinstance(out, np.ndarray):
         return out.nbytes
+    if isinstance(out, int):
+        return 8
     if isinstance(out, (list, tuple)):
         return sum(nbytes(x) for x in out)
     return 0

@@ -103,3 +103,11 @@ def sample(probs: torch.Tensor, rng: Rng) -> int:
     if float(probs[top]) >= 1.0:
         return top
     return rng.categorical(probs)
+
+
+def onehot_logits(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """Logits ``[n, V]`` of a deterministic drafter: 0 at each proposed token, -inf elsewhere (q one-hot)."""
+    logits = torch.full((len(tokens), vocab_size), float("-inf"))
+    if tokens:
+        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return logits

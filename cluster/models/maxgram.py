@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from cluster.core.maxgram import DEFAULT_MAX_NGRAM, MaxGramIndex
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams, onehot_logits
 
 
 def save_bigram(table: np.ndarray, path: str | Path) -> Path:
@@ -50,10 +50,7 @@ class MagHandle:
         self._requests: dict[str, MaxGramIndex] = {}
 
     def _onehot(self, toks: list[int]) -> torch.Tensor:
-        logits = torch.full((len(toks), self.vocab_size), float("-inf"))
-        if toks:
-            logits[torch.arange(len(toks)), torch.tensor(toks)] = 0.0
-        return logits                                                  # [n, V]
+        return onehot_logits(toks, self.vocab_size)                    # [n, V]
 
     def _get(self, rid: str) -> MaxGramIndex:
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.protocol import StateLostError, StepCall, nbytes, unpack
+from actors.protocol import StateLostError, StepCall, expand_onehot, nbytes, unpack
 from cluster.core.sampling import SamplingParams
 from cluster.errors import ModelUnavailableError
 
@@ -178,4 +178,5 @@ class RemoteHandle:
         t.wall_s += time.perf_counter() - t0
         t.compute_s += compute_s
         t.bytes_in += nbytes(out)
-        return unpack(out)
+        out = unpack(out)
+        return expand_onehot(method, out, self.vocab_size) if self.deterministic else out
