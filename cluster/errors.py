@@ -80,7 +80,10 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
     allowed = _range_text("integer", low, high)
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
+            try:
+                value = int(value)
+            except ValueError:             # digits int() does not take ("²"), or too many of them
+                raise ParamError(name, allowed, value) from None
         elif isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
@@ -98,7 +101,7 @@ def check_float(name: str, value: Any, low: float | None = None, high: float | N
         if isinstance(value, bool):
             raise TypeError
         f = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):      # OverflowError: an int beyond the float range
         raise ParamError(name, allowed, value) from None
     if f != f or f in (float("inf"), float("-inf")):
         raise ParamError(name, allowed, value)

@@ -16,6 +16,20 @@ MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 64
 MAX_SEED = 2**63 - 1
 
 
+# Request size limits, checked before any expensive work (tokenizing, copying, parsing option values).
+MAX_MESSAGE_BYTES = 8 << 20        # a whole gRPC request message or HTTP body
+MAX_PROMPT_CHARS = 1 << 20         # prompt text; also at most MAX_CHARS_PER_TOKEN x the target's length
+MAX_CHARS_PER_TOKEN = 32
+MAX_PROMPT_IDS = 1 << 20           # prompt token ids (the target's length is the tighter bound)
+MAX_REQUEST_ID = 128               # printable characters
+MAX_OPTIONS, MAX_OPTION_NAME, MAX_OPTION_VALUE = 16, 64, 256     # entries; characters of a name / a value
+MAX_OPTION_CELLS = 256             # numbers in a structured (list) option value, at most 2 levels deep
+MAX_JSON_DEPTH = 32                # HTTP body nesting
+
+# The smallest positive temperature: logits / T must stay finite (a subnormal T overflows to inf -> NaN).
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass
 class GenerationRequest:
     """One generation. Give ``prompt`` text or ``prompt_ids``; ``options`` are the strategy's."""

@@ -1,4 +1,9 @@
-"""Admission: a request is validated and tokenized once, into a :class:`PreparedRequest`."""
+"""Admission: a request is validated and tokenized once, into a :class:`PreparedRequest`.
+
+Every size is checked before any expensive work (tokenizing the prompt, copying token ids, parsing option
+values): the limits are the constants of :mod:`cluster.engine.request`; each refusal is a :class:`ParamError`
+naming the field, the allowed range and the (truncated) value.
+"""
 from __future__ import annotations
 
 import os
@@ -6,14 +11,24 @@ import uuid
 from typing import Any
 
 from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.core.sampling import MAX_TEMPERATURE, SamplingParams
 from cluster.engine.request import (
+    MAX_CHARS_PER_TOKEN,
+    MAX_OPTION_CELLS,
+    MAX_OPTION_NAME,
+    MAX_OPTION_VALUE,
+    MAX_OPTIONS,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_IDS,
+    MAX_REQUEST_ID,
     MAX_SEED,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
     GenerationRequest,
     PreparedRequest,
 )
-from cluster.errors import ParamError, check_int
+from cluster.errors import ParamError, check_int, check_text
 from cluster.strategies import REGISTRY, resolve_options
 
 
@@ -22,33 +37,112 @@ def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: T
             vocab_size: int) -> PreparedRequest:
     """Validate ``req`` against the served models (raises :class:`ParamError` naming the field, the
     allowed range and the value) and tokenize its prompt; returns the one object that flows down."""
+    max_new = check_int("max_new_tokens", req.max_new_tokens, 1, max_new_tokens_limit)
+    check_sampling(req.sampling)
+    check_request_id(req.request_id)
+    name = check_strategy(req.strategy or default_strategy)
+    check_options(name, req.options)
+    check_stop(req.stop)
+    target_len = models[target].max_length
     if req.prompt_ids is not None and len(req.prompt_ids) > 0:
+        if len(req.prompt_ids) > min(MAX_PROMPT_IDS, target_len - max_new):     # before reading the ids
+            raise _too_long(len(req.prompt_ids), target_len, max_new)
         ids = list(req.prompt_ids)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
                 raise ParamError("prompt_ids", f"token ids in [0, {vocab_size - 1}]", i)
     elif req.prompt:
-        ids = tokenizer.encode(req.prompt)
+        ids = tokenizer.encode(check_prompt_text(req.prompt, target_len))
     else:
         raise ParamError("prompt", "non-empty text or token ids", req.prompt or "")
     if not ids:
         raise ParamError("prompt", "text that encodes to at least one token", req.prompt)
-    max_new = check_int("max_new_tokens", req.max_new_tokens, 1, max_new_tokens_limit)
-    name = req.strategy or default_strategy
-    if name not in REGISTRY:
-        raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), name)
     opts = resolve_options(name, req.options, defaults)
     strategy = REGISTRY[name](opts, models, target)
     max_len = min(models[r].max_length for r in strategy.roles())
     if len(ids) + max_new > max_len:
-        raise ParamError("prompt", f"at most {max_len - max_new} tokens with max_new_tokens={max_new} "
-                         f"(model length {max_len})", f"{len(ids)} tokens")
-    if len(req.stop) > MAX_STOP_STRINGS:
-        raise ParamError("stop", f"at most {MAX_STOP_STRINGS} strings", len(req.stop))
-    for s in req.stop:
-        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
-            raise ParamError("stop", f"strings of 1 to {MAX_STOP_LEN} characters", s)
+        raise _too_long(len(ids), max_len, max_new)
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
     seed = check_int("seed", seed, 0, MAX_SEED)
     return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
                            tuple(req.stop), req.ignore_eos, strategy)
+
+
+def _too_long(n: int, max_len: int, max_new: int) -> ParamError:
+    return ParamError("prompt", f"at most {max_len - max_new} tokens with max_new_tokens={max_new} "
+                      f"(model length {max_len})", f"{n} tokens")
+
+
+# -- the cheap checks, also used by the servers' parsers before they build a request ------------------
+def check_sampling(sampling: SamplingParams) -> None:
+    """A positive temperature below MIN_TEMPERATURE (e.g. a subnormal one) would overflow logits / T."""
+    t = sampling.temperature
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ParamError("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", t)
+
+
+def check_request_id(rid: Any) -> None:
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()):
+        raise ParamError("request_id", f"1 to {MAX_REQUEST_ID} printable characters", rid)
+
+
+def check_strategy(name: Any) -> str:
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), name)
+    return name
+
+
+def check_stop(stop: Any) -> None:
+    if not isinstance(stop, (list, tuple)):
+        raise ParamError("stop", "a string or a list of strings", stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ParamError("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(stop)} strings")
+    for s in stop:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
+            raise ParamError("stop", f"strings of 1 to {MAX_STOP_LEN} characters", s)
+        check_text("stop", s, MAX_STOP_LEN)                      # valid Unicode
+
+
+def check_prompt_text(prompt: Any, target_len: int) -> str:
+    """Prompt text short enough to tokenize: at most MAX_PROMPT_CHARS characters, and at most
+    MAX_CHARS_PER_TOKEN per token of the target's length (longer text could not fit once tokenized)."""
+    cap = min(MAX_PROMPT_CHARS, target_len * MAX_CHARS_PER_TOKEN)
+    if isinstance(prompt, str) and len(prompt) > cap:
+        raise ParamError("prompt", f"text of at most {cap} characters (model length {target_len} tokens)",
+                         f"{len(prompt)} characters")
+    return check_text("prompt", prompt, cap)
+
+
+def check_options(strategy: str, options: Any) -> None:
+    """Option names the strategy declares and values of bounded size (a string of at most MAX_OPTION_VALUE
+    characters, a number, or a list of at most MAX_OPTION_CELLS numbers / rows of numbers), before any
+    option parser sees them."""
+    if not isinstance(options, dict):
+        raise ParamError("options", "an object of strategy options", options)
+    if len(options) > MAX_OPTIONS:
+        raise ParamError("options", f"at most {MAX_OPTIONS} options", f"{len(options)} options")
+    declared = [o.name for o in REGISTRY[strategy].options]
+    for key, value in options.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_OPTION_NAME:
+            raise ParamError("option", f"names of 1 to {MAX_OPTION_NAME} characters", key)
+        if key not in declared:
+            raise ParamError("option", f"options of strategy {strategy}: " + (", ".join(declared) or "none"), key)
+        _check_option_value(key, value)
+
+
+def _check_option_value(key: str, value: Any) -> None:
+    if value is None or isinstance(value, (bool, int, float)):
+        return
+    if isinstance(value, str):
+        check_text(key, value, MAX_OPTION_VALUE, allow_empty=True)
+        return
+    allowed = (f"a string of at most {MAX_OPTION_VALUE} characters, a number, or a list of at most "
+               f"{MAX_OPTION_CELLS} numbers or rows of numbers")
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_OPTION_CELLS:
+        raise ParamError(key, allowed, value)
+    cells = 0
+    for row in value:
+        row = row if isinstance(row, (list, tuple)) else (row,)
+        cells += len(row)
+        if cells > MAX_OPTION_CELLS or not all(isinstance(c, (bool, int, float)) for c in row):
+            raise ParamError(key, allowed, value)

@@ -12,18 +12,32 @@ import grpc
 
 from cluster.config.schema import Config, load_config
 from cluster.engine.request import GenerationResult, PreparedRequest
-from cluster.errors import OverloadedError, ParamError
+from cluster.errors import (
+    DeadlineExceededError,
+    ModelUnavailableError,
+    OverloadedError,
+    ParamError,
+    shown,
+)
 from cluster.serving.coordinator import Coordinator
 from cluster.serving.grpc_api import (
     SERVICE,
     SERVICER_FUNCTIONS,
+    MalformedRequest,
     log,
+    malformed_error,
     request_from_proto,
     result_to_proto,
     server_info,
 )
-from cluster.serving.http_api import _oai_error, _openai_finish, request_from_openai
-from cluster.serving.metrics import make_metrics
+from cluster.serving.http_api import (
+    _oai_error,
+    _openai_finish,
+    parse_body,
+    read_body,
+    request_from_openai,
+)
+from cluster.serving.metrics import make_metrics, strategy_label
 from protos import specserve_pb2 as pb
 
 
@@ -53,20 +67,30 @@ class SpecServeDeployment:
         self.coord.health()
 
     # -- gRPC ---------------------------------------------------------------------------------------
-    def _fail(self, ctx, exc: BaseException, strategy: str | None):
+    def _fail(self, ctx, exc: BaseException, strategy: str | None, empty=None):
+        """Map ``exc`` to a status on ``ctx`` and return ``empty`` (the method's empty response): a refused
+        request is answered, not raised through Serve (which would log a traceback for each).  Messages are
+        ours and bounded (ParamError echoes a truncated value); the metric label is a validated strategy."""
         if isinstance(exc, ParamError):
             code, msg, outcome = grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
         elif isinstance(exc, OverloadedError):
             code, msg, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded"
+        elif isinstance(exc, ModelUnavailableError):
+            code, msg, outcome = grpc.StatusCode.UNAVAILABLE, str(exc), "error"
+        elif isinstance(exc, DeadlineExceededError):
+            code, msg, outcome = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), "error"
         else:
             log.error("internal error", exc_info=exc)
             code, msg, outcome = grpc.StatusCode.INTERNAL, "internal error (details in the server log)", "error"
+        if outcome in ("invalid", "overloaded"):
+            log.info("refused (%s): %s", code.name, msg)                # one line per refused request
         if outcome != "error" and self.coord.metrics is not None:
-            self.coord.metrics.record(strategy or self.cfg.engine.strategy, outcome)
-        if ctx is not None:
-            ctx.set_code(code)
-            ctx.set_details(msg)
-        raise _Abort(msg) from None
+            self.coord.metrics.record(strategy_label(strategy or self.cfg.engine.strategy), outcome)
+        if ctx is None or empty is None:
+            raise _Abort(msg) from None
+        ctx.set_code(code)
+        ctx.set_details(msg)
+        return empty
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
@@ -75,7 +99,7 @@ class SpecServeDeployment:
         except asyncio.CancelledError:
             raise
         except Exception as e:                     # noqa: BLE001 - mapped to a status code
-            self._fail(grpc_context, e, request.strategy)
+            return self._fail(grpc_context, e, request.strategy, pb.GenerateResponse())
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         try:
@@ -86,19 +110,22 @@ class SpecServeDeployment:
                                        result=result_to_proto(chunk.result) if chunk.result else None)
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as e:                     # noqa: BLE001
-            self._fail(grpc_context, e, request.strategy)
+        except Exception as e:                     # noqa: BLE001 - one empty chunk carries the status
+            yield self._fail(grpc_context, e, request.strategy, pb.GenerateChunk())
 
     async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context=None) -> pb.ServerInfoResponse:
         return await asyncio.to_thread(server_info, self.coord)
 
     async def Check(self, request, grpc_context=None):
         from grpc_health.v1 import health_pb2
+        if isinstance(request, MalformedRequest):
+            return self._fail(grpc_context, malformed_error(request), None, health_pb2.HealthCheckResponse())
         if request.service not in ("", SERVICE):
-            if grpc_context is not None:
-                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
-                grpc_context.set_details(f"unknown service {request.service!r} (known: '', {SERVICE})")
-            raise _Abort("unknown service")
+            if grpc_context is None:
+                raise _Abort("unknown service")
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {shown(request.service)} (known: '', {SERVICE})")
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
         status = health_pb2.HealthCheckResponse.SERVING if self.coord.ready else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
@@ -129,10 +156,7 @@ class SpecServeDeployment:
         if request.method != "POST":
             return JSONResponse(_oai_error("use POST", "invalid_request_error"), status_code=405)
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError:
-                raise ParamError("body", "a JSON object", "invalid JSON") from None
+            body = parse_body(await read_body(request))      # size and nesting checked before parsing
             req, stream = request_from_openai(body, self.cfg)
             req = self.coord.validate(req)             # fixes request id and seed for every chunk
             if stream:
@@ -142,9 +166,15 @@ class SpecServeDeployment:
         except asyncio.CancelledError:
             raise
         except ParamError as e:
+            log.info("refused (400): %s", e)                  # one line per refused request
             return JSONResponse(_oai_error(str(e), "invalid_request_error", e.name), status_code=400)
         except OverloadedError as e:
+            log.info("refused (429): %s", e)
             return JSONResponse(_oai_error(str(e), "server_overloaded"), status_code=429)
+        except ModelUnavailableError as e:
+            return JSONResponse(_oai_error(str(e), "service_unavailable"), status_code=503)
+        except DeadlineExceededError as e:
+            return JSONResponse(_oai_error(str(e), "timeout"), status_code=504)
         except Exception:                          # noqa: BLE001
             log.exception("internal error")
             return JSONResponse(_oai_error("internal error (details in the server log)", "internal_error"),

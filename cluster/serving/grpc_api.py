@@ -8,9 +8,22 @@ gRPC proxy (methods ``Generate``, ``GenerateStream``, ``ServerInfo`` and the sta
 ``GET /health``).
 
 Errors: a :class:`cluster.errors.ParamError` becomes ``INVALID_ARGUMENT`` / HTTP 400 naming field,
-allowed range and value; :class:`cluster.errors.OverloadedError` becomes ``RESOURCE_EXHAUSTED`` /
-HTTP 429; anything else ``INTERNAL`` / 500 with a sanitized message (the traceback stays in the
-server log).  A client that cancels or disconnects stops its generation (see the coordinator).
+allowed range and value (truncated, see :func:`cluster.errors.shown`); :class:`cluster.errors.OverloadedError`
+becomes ``RESOURCE_EXHAUSTED`` / HTTP 429; anything else ``INTERNAL`` / 500 with a sanitized message (the
+traceback stays in the server log).  A refused request is answered without raising through Ray Serve (which
+would log a traceback per request); a refused stream carries one empty chunk before its status, because
+Serve forwards a status set by a streaming handler only with a message.  A client that cancels or
+disconnects stops its generation (see the coordinator).
+
+Sizes are limited before any expensive work (constants in :mod:`cluster.engine.request`): a message of at
+most MAX_MESSAGE_BYTES, checked by the guarded deserializers of :mod:`protos.guard` in Serve's
+gRPC proxy before parsing (a message that does not parse becomes ``INVALID_ARGUMENT`` too, not ``UNKNOWN``);
+counts of prompt ids, stop strings and options before they are copied; the prompt's characters before
+tokenizing (:mod:`cluster.engine.validate`).  Ray's ``gRPCOptions`` has no message-size setting: the proxy's
+transport limit is Ray's environment variable ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`` (default 2 GiB, read when
+the proxy starts), so deployments should also set it on every Ray node, e.g.
+``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=8388608 ray start ...`` or the KubeRay containers' ``env``, to refuse
+bigger messages before they are read.
 """
 from __future__ import annotations
 
@@ -18,10 +31,19 @@ import logging
 
 from cluster.config.schema import Config
 from cluster.core.sampling import SamplingParams
-from cluster.engine.request import GenerationRequest, GenerationResult
+from cluster.engine.request import (
+    MAX_OPTIONS,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_IDS,
+    MAX_STOP_STRINGS,
+    GenerationRequest,
+    GenerationResult,
+)
+from cluster.engine.validate import check_request_id
 from cluster.errors import ParamError, check_int
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
+from protos.guard import GUARDED_SERVICER_FUNCTIONS, MalformedRequest
 
 log = logging.getLogger("specserve.serve")
 
@@ -29,16 +51,27 @@ log = logging.getLogger("specserve.serve")
 SERVICE = "specserve.v1.SpecServe"
 
 
-SERVICER_FUNCTIONS = ["protos.specserve_pb2_grpc.add_SpecServeServicer_to_server",
-                      "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]
+# What Serve's gRPC proxy registers (start_serve and the KubeRay manifest): the generated services with
+# guarded request deserializers (protos/guard.py: light, the proxy does not import this module).
+SERVICER_FUNCTIONS = GUARDED_SERVICER_FUNCTIONS
 
 
-MAX_REQUEST_ID = 128
+def malformed_error(m: MalformedRequest) -> ParamError:
+    return ParamError("request", m.allowed, m.value)
 
 
 # -- requests --------------------------------------------------------------------------------------
 def request_from_proto(m: pb.GenerateRequest, cfg: Config) -> GenerationRequest:
-    """A GenerationRequest from the proto; unset optional fields take the config's defaults."""
+    """A GenerationRequest from the proto; unset optional fields take the config's defaults.  Counts and
+    lengths are checked before anything is copied (a refused message arrives as a MalformedRequest)."""
+    if isinstance(m, MalformedRequest):
+        raise malformed_error(m)
+    for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
+                               ("prompt", len(m.prompt), MAX_PROMPT_CHARS, "characters"),
+                               ("stop", len(m.stop), MAX_STOP_STRINGS, "strings"),
+                               ("options", len(m.options), MAX_OPTIONS, "options")):
+        if n > cap:
+            raise ParamError(name, f"at most {cap} {what}", f"{n} {what}")
     gen = cfg.generation
     sampling = SamplingParams(temperature=m.temperature if m.HasField("temperature") else gen.temperature,
                               top_p=m.top_p if m.HasField("top_p") else gen.top_p,
@@ -51,10 +84,14 @@ def request_from_proto(m: pb.GenerateRequest, cfg: Config) -> GenerationRequest:
 
 
 def _request(cfg: Config, **kw) -> GenerationRequest:
-    rid = kw.get("request_id")
-    if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()):
-        raise ParamError("request_id", f"1 to {MAX_REQUEST_ID} printable characters", rid)
+    """The request both fronts build.  A client names a SpecDec++ head only by a served drafter's name
+    (never a file: see :mod:`cluster.strategies.specdec_pp`)."""
+    check_request_id(kw.get("request_id"))
     kw["max_new_tokens"] = check_int("max_new_tokens", kw["max_new_tokens"], 1, cfg.engine.max_new_tokens_limit)
+    head = kw["options"].get("head")
+    if head is not None and head not in cfg.drafters:
+        raise ParamError("head", "the name of a served drafter (whose acceptance head is built): one of "
+                         + ", ".join(cfg.drafters), head)
     return GenerationRequest(**kw)
 
 

@@ -1,14 +1,59 @@
-"""The OpenAI-compatible ``/v1/completions`` request parsing and response/error shapes."""
+"""The OpenAI-compatible ``/v1/completions`` request parsing and response/error shapes.
+
+The body is read up to MAX_MESSAGE_BYTES (the declared ``Content-Length`` first), its JSON nesting is
+checked (at most MAX_JSON_DEPTH levels) before it is parsed, and every field's type and size before it is
+used; each refusal is a :class:`ParamError` (HTTP 400 naming the field, the allowed range and the value).
+"""
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import numpy as np
 
 from cluster.config.schema import Config
 from cluster.core.sampling import SamplingParams
-from cluster.engine.request import GenerationRequest
+from cluster.engine.request import (
+    MAX_JSON_DEPTH,
+    MAX_MESSAGE_BYTES,
+    MAX_PROMPT_IDS,
+    GenerationRequest,
+)
 from cluster.errors import ParamError, check_int
 from cluster.serving.grpc_api import _request
 from cluster.strategies import REGISTRY
+
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEPS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")        # opening +1, closing -1 (after subtracting 1)
+
+
+async def read_body(request, limit: int = MAX_MESSAGE_BYTES) -> bytes:
+    """The request body (a Starlette request), refused once it is known to exceed ``limit`` bytes."""
+    allowed = f"a JSON object of at most {limit} bytes"
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise ParamError("body", allowed, f"{int(declared)} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ParamError("body", allowed, f"more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON from ``raw``, nested at most MAX_JSON_DEPTH levels: the depth is measured before parsing (the
+    running sum over the brackets outside strings, vectorised), so deep nesting costs no recursion."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:                 # else it cannot nest deeper
+        unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")    # now each '"' opens or closes a string
+        steps = b"".join(unescaped.split(b'"')[::2]).translate(_STEPS, _NOT_BRACKET)
+        if steps and int(np.cumsum(np.frombuffer(steps, np.uint8).astype(np.int32) - 1).max()) > MAX_JSON_DEPTH:
+            raise ParamError("body", f"JSON nested at most {MAX_JSON_DEPTH} levels", "deeper nesting")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):   # UnicodeDecodeError is a ValueError
+        raise ParamError("body", "a JSON object", "invalid JSON") from None
 
 
 def request_from_openai(body: Any, cfg: Config) -> tuple[GenerationRequest, bool]:
@@ -22,6 +67,8 @@ def request_from_openai(body: Any, cfg: Config) -> tuple[GenerationRequest, bool
         prompt = prompt[0]                      # a batch of one
     if isinstance(prompt, str):
         text = prompt
+    elif isinstance(prompt, list) and len(prompt) > MAX_PROMPT_IDS:
+        raise ParamError("prompt", f"at most {MAX_PROMPT_IDS} token ids", f"{len(prompt)} token ids")
     elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = prompt
     else:

@@ -4,8 +4,17 @@ Speculative-decoding counters are named as vLLM's (``vllm:spec_decode_*``, witho
 drafts (verification steps), drafted tokens, accepted tokens, and accepted tokens per draft position;
 plus requests by outcome and latency histograms (time to first token, time per output token,
 end-to-end).  Every series is labelled by strategy.
+
+Labels only ever take validated values (a registered strategy name, else ``invalid``; a known outcome),
+so a client cannot create series or break the exporter with a name of its choosing; and recording never
+raises into a request.
 """
 from __future__ import annotations
+
+import logging
+
+from cluster.errors import shown
+from cluster.strategies import REGISTRY
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 
@@ -14,6 +23,17 @@ TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
 OUTCOMES = ("ok", "cancelled", "invalid", "overloaded", "error")
+
+
+INVALID_LABEL = "invalid"
+
+
+log = logging.getLogger("specserve.metrics")
+
+
+def strategy_label(strategy) -> str:
+    """The metric label of a strategy name: itself if registered, else ``invalid``."""
+    return strategy if isinstance(strategy, str) and strategy in REGISTRY else INVALID_LABEL
 
 
 class Metrics:
@@ -36,8 +56,14 @@ class Metrics:
                              boundaries=LATENCY_BOUNDS, tag_keys=s)
 
     def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None) -> None:
-        """Count one finished request; ``result`` (a GenerationResult) for completed ones."""
-        tags = {"strategy": strategy or "unknown"}
+        """Count one finished request; ``result`` (a GenerationResult) for completed ones.  Never raises."""
+        try:
+            self._record(strategy_label(strategy), outcome if outcome in OUTCOMES else "error", result, e2e_s)
+        except Exception as e:             # noqa: BLE001 - metrics never fail a request
+            log.warning("metrics not recorded: %s", shown(e, 200))
+
+    def _record(self, strategy: str, outcome: str, result, e2e_s: float | None) -> None:
+        tags = {"strategy": strategy}
         self.requests.inc(1, {**tags, "outcome": outcome})
         if result is None:
             return

@@ -5,6 +5,11 @@ The drafter proposes until its acceptance-prediction head (:mod:`cluster.models.
 some candidate is rejected with probability above ``threshold``, at most ``k_max`` tokens; then the
 target verifies as in plain speculative sampling.  The stopping rule looks only at the drafted tokens
 (a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early: fixed k = k_max.
+
+The head is chosen BY NAME: option ``head`` names a drafter whose acceptance head the served models carry
+(built with the zoo, ``specserve train-head``), i.e. the chosen drafter's own; default: the chosen drafter's.
+No request option names a file, in-process or through the servers: a head is attached to its drafter's
+handle by the builder (:mod:`cluster.models.build`).
 """
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ from cluster.strategies.speculative import DRAFTER, VERIFY
 K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
 THRESHOLD = Option("threshold", float, 0.5, "SpecDec++: stop drafting once P(some candidate rejected) > h",
                    low=0.0, high=1.0)
-HEAD = Option("head", str, None, "SpecDec++: acceptance head directory (default: the head built with the "
-              "zoo for the drafter)")
+HEAD = Option("head", str, None, "SpecDec++: the acceptance head, by drafter name: the chosen drafter's built "
+              "head (default); naming another drafter's head picks that drafter")
 
 
 @register
@@ -35,16 +40,32 @@ class SpecDecPP(Strategy):
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
-        self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
+        head = opts["head"]
+        if opts["drafter"] or not head:
+            self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
+        else:                                                        # the head's name picks its drafter
+            self.drafter = self.check_drafter(head, "head")
         handle = models[self.drafter]
         if not hasattr(handle, "propose_adaptive"):
             raise ParamError("drafter", "a neural drafter (with propose_adaptive)", self.drafter)
-        self.head = opts["head"] or getattr(handle, "specdec_head", None)
-        if self.head is None:
-            raise ParamError("head", f"an acceptance head directory from `specserve train-head` (none is "
-                             f"built for drafter {self.drafter})", None)
+        self.head = self.head_by_name(head or self.drafter)
         self.k_max, self.threshold = opts["k_max"], opts["threshold"]
         self.verify = VERIFIERS[opts["verify"]]
+
+    def served_heads(self) -> dict[str, str]:
+        """Drafter name -> its acceptance head, for the served drafters that carry one."""
+        return {n: h for n in self.drafter_names() if (h := getattr(self.models[n], "specdec_head", None))}
+
+    def head_by_name(self, name: str) -> str:
+        """The head of drafter ``name``, which must be the chosen drafter and carry a built head."""
+        heads = self.served_heads()
+        built = ", ".join(sorted(heads)) or "none is built (`specserve train-head`)"
+        if name != self.drafter:
+            raise ParamError("head", f"the chosen drafter {self.drafter}'s head (a head is per drafter; "
+                             f"drafters with a head: {built})", name)
+        if name not in heads:
+            raise ParamError("head", f"a drafter with a built acceptance head: {built}", name)
+        return heads[name]
 
     def roles(self) -> list[str]:
         return [self.target_name, self.drafter]

@@ -38,7 +38,7 @@ def setup(tmp_path_factory):
     engine = engine_for(cfg)
     torch.manual_seed(0)
     head = AcceptanceHead(engine.models["drafter-large"].model.config.hidden_size, depth=1)   # untrained
-    head_dir = save_head(head.eval(), tmp_path_factory.mktemp("head") / "h")
+    engine.models["drafter-large"].specdec_head = str(save_head(head.eval(), tmp_path_factory.mktemp("head") / "h"))
     variants = [
         ("speculative", dict(drafter="drafter-large", k=4)),
         ("speculative", dict(drafter="drafter-small", k=3, verify="block")),
@@ -46,7 +46,7 @@ def setup(tmp_path_factory):
         ("mag", dict(k=2, verify="block")),
         ("cs_drafting", dict(drafters="drafter-large,drafter-small,mag", kmatrix="2,1,3;0,2,4;0,0,5")),
         ("cs_drafting", dict(drafters="drafter-small,mag", kmatrix="3,0;0,6", lenience=2.5)),
-        ("specdec_pp", dict(drafter="drafter-large", k_max=5, threshold=0.5, head=str(head_dir))),
+        ("specdec_pp", dict(drafter="drafter-large", k_max=5, threshold=0.5, head="drafter-large")),
         ("autoregressive", {}),
     ]
     refs, cuts = [], []

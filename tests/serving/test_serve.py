@@ -1,14 +1,12 @@
 """The cluster end to end: a local Ray, the Serve app on configs/tiny.yaml, requests through the real
 gRPC and HTTP ports; plus the tensor-parallel target (TP=2 over gloo vs TP=1) on the same Ray.
 
-One Ray + Serve instance for the whole module (start-up dominates the runtime). Synchronisation is
-by polling a condition with a deadline, never by sleeping a fixed time.
+One Ray + Serve instance (the ``served`` fixture, tests/serving/conftest.py; start-up dominates the
+runtime). Synchronisation is by polling a condition with a deadline, never by sleeping a fixed time.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -20,7 +18,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cluster.config.schema import load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
@@ -31,12 +28,6 @@ PROMPT = [ord(c) for c in "def fib(n):\n    return"]
 DEADLINE_S = 60.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _poll(cond, what: str, timeout: float = DEADLINE_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -45,27 +36,6 @@ def _poll(cond, what: str, timeout: float = DEADLINE_S):
             return value
         time.sleep(0.05)                # poll interval; the condition is what synchronises
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def served():
-    from ray import serve
-
-    from cluster.serving.app import start_serve
-    cfg = load_config("configs/tiny.yaml")
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
-                                                               http_port=_free_port()))
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
-    start_serve(cfg)
-    client = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app=cfg.cluster.app_name, timeout=120)
-    client.wait_ready(300)
-    yield cfg, client
-    client.close()
-    serve.shutdown()
-    if started_ray:
-        ray.shutdown()
 
 
 def _inproc(engine, strategy, *, max_new=24, temperature=0.0, seed=0, options=None, ids=PROMPT):

@@ -43,19 +43,20 @@ def test_worker_propose_adaptive_follows_rule(tiny_engine, prob, threshold, k_ma
         w.release("sd")
 
 
-def test_threshold_one_is_fixed_k_at_cap(tiny_engine, tmp_path):
+def test_threshold_one_is_fixed_k_at_cap(tiny_engine, tmp_path, monkeypatch):
     head_dir = save_head(_const_head(tiny_engine.models["drafter-large"].model.config.hidden_size, 0.1), tmp_path / "h")
+    monkeypatch.setattr(tiny_engine.models["drafter-large"], "specdec_head", str(head_dir), raising=False)
     base = dict(prompt=PROMPT, max_new_tokens=24, sampling=SamplingParams(0.0), seed=3, ignore_eos=True)
     ar = tiny_engine.generate(GenerationRequest(strategy="autoregressive", **base))
     fixed = tiny_engine.generate(GenerationRequest(strategy="speculative",
                                                    options=dict(drafter="drafter-large", k=5), **base))
     pp = tiny_engine.generate(GenerationRequest(strategy="specdec_pp", options=dict(
-        drafter="drafter-large", k_max=5, threshold=1.0, head=str(head_dir)), **base))
+        drafter="drafter-large", k_max=5, threshold=1.0, head="drafter-large"), **base))
     assert pp.token_ids == fixed.token_ids == ar.token_ids
     assert (pp.stats.target_forwards, pp.stats.drafted_tokens, pp.stats.accepted_hist) == \
         (fixed.stats.target_forwards, fixed.stats.drafted_tokens, fixed.stats.accepted_hist)
     eager = tiny_engine.generate(GenerationRequest(strategy="specdec_pp", options=dict(
-        drafter="drafter-large", k_max=5, threshold=0.5, head=str(head_dir)), **base))
+        drafter="drafter-large", k_max=5, threshold=0.5), **base))             # default: the drafter's head
     assert eager.token_ids == ar.token_ids
     assert len(eager.stats.drafted_per_pos) == 2            # predicted acceptance 0.1: stop after 2 candidates
 
