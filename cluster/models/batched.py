@@ -1,6 +1,6 @@
 """Batched in-process model worker: a Hugging Face causal LM whose requests share one slot KV cache.
 
-A drop-in replacement for :class:`cluster.models.hf.HFWorker` (same per-request semantics, same RNG streams)
+A drop-in replacement for the single-request reference worker (``tests/support/reference_worker.py``) (same per-request semantics, same RNG streams)
 whose ``*_batch`` methods advance many requests in one forward pass.  Every request owns a slot of one
 :class:`cluster.models.slot_cache.SlotCache` and keeps ``tokens`` and ``cached`` (how many of them the slot
 holds); a forward feeds each row's ``tokens[cached:]``, right-padded to the longest row:

@@ -121,8 +121,10 @@ def _allowed(opt) -> str:
     return f"{'(' if opt.low_open else '['}{lo}, {hi}{')' if opt.high_open else ']'}"
 
 
-def server_info(coord) -> pb.ServerInfoResponse:
-    active = coord.active_requests()
+def server_info(coord, *, request_ids: bool = True) -> pb.ServerInfoResponse:
+    """The server's description; ``request_ids=False`` (a caller without the operator key when auth is on)
+    leaves out other clients' request ids: per-model active requests, live and recent requests."""
+    active = coord.active_requests() if request_ids else {}
     models = [pb.ModelInfo(name=e.name, role=e.role, placement=e.placement,
                            tp_size=getattr(e.handle, "tp_size", 1), vocab_size=e.handle.vocab_size,
                            max_length=getattr(e.handle, "max_length", 0),
@@ -137,8 +139,8 @@ def server_info(coord) -> pb.ServerInfoResponse:
     return pb.ServerInfoResponse(models=models, strategies=strategies, default_strategy=cfg.engine.strategy,
                                  max_new_tokens_limit=cfg.engine.max_new_tokens_limit,
                                  max_concurrent=coord.max_batch, max_queue=coord.max_queue,
-                                 live_requests=[x.rid for x in live],
+                                 live_requests=[x.rid for x in live] if request_ids else [],
                                  running=sum(x.status == "running" for x in live), ready=coord.ready,
                                  topology=coord.topology, vocab_size=coord.engine.vocab_size,
                                  recent=[pb.RequestSummary(request_id=r, strategy=s, outcome=o, generated_tokens=n)
-                                         for r, s, o, n in list(coord.recent)])
+                                         for r, s, o, n in (list(coord.recent) if request_ids else [])])

@@ -18,8 +18,8 @@ from cluster.config.schema import MagSpec, load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.models.head import AcceptanceHead, save_head
-from cluster.models.hf import HFWorker
 from tests.support.built import engine_for
+from tests.support.reference_worker import HFWorker
 
 NEW = 32
 TIE = 1e-4

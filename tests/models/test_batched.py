@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cluster.core.sampling import SamplingParams
 from cluster.models.batched import BatchedHFWorker, forward_cost_grid
 from cluster.models.head import AcceptanceHead
-from cluster.models.hf import HFWorker
 from cluster.models.tiny import tiny_llama, truncated
+from tests.support.reference_worker import HFWorker
 
 torch.set_num_threads(1)
 TOL = 1e-4

@@ -22,21 +22,13 @@ from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ModelUnavailableError
 from tests.support.built import engine_for
+from tests.support.polling import DEADLINE_S
+from tests.support.polling import poll as _poll
 
 ray = pytest.importorskip("ray")
 
 PROMPT = [ord(c) for c in "def fib(n):\n    return"]
-DEADLINE_S = 60.0
 
-
-def _poll(cond, what: str, timeout: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)                # poll interval; the condition is what synchronises
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

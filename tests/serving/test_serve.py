@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -23,19 +22,10 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.serving.client import SpecServeClient
 from cluster.strategies import REGISTRY  # noqa: E402
+from tests.support.polling import poll as _poll
 
 PROMPT = [ord(c) for c in "def fib(n):\n    return"]
-DEADLINE_S = 60.0
 
-
-def _poll(cond, what: str, timeout: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)                # poll interval; the condition is what synchronises
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _inproc(engine, strategy, *, max_new=24, temperature=0.0, seed=0, options=None, ids=PROMPT):
@@ -259,10 +249,10 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from cluster.config.schema import config_from_dict
-    from cluster.models.hf import HFWorker
     from cluster.models.tiny import tiny_llama, truncated
     from cluster.serving.coordinator import Coordinator
     from tests.support.built import engine_for
+    from tests.support.reference_worker import HFWorker
     model = tiny_llama(hidden=64, layers=3, heads=4, seed=5)
     model.save_pretrained(tmp_path / "target")
     truncated(model, 1).save_pretrained(tmp_path / "drafter")

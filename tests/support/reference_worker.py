@@ -1,7 +1,8 @@
-"""In-process model worker: a Hugging Face causal LM with a per-request KV cache.
+"""The single-request reference worker the batched worker is tested against (tests only).
 
-Implements :class:`cluster.core.interfaces.ModelHandle`.  Per request it keeps the token sequence and a
-``DynamicCache`` covering ``cached`` of those tokens; a forward pass feeds ``tokens[cached:]``.
+A Hugging Face causal LM with one ``DynamicCache`` per request and one forward per request: an independent
+implementation of :class:`cluster.core.interfaces.ModelHandle` over transformers' own cache, so the slot
+cache of :class:`cluster.models.batched.BatchedHFWorker` can be held to its logits (1e-4) and RNG streams.
 """
 from __future__ import annotations
 
