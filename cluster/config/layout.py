@@ -58,6 +58,11 @@ class ClusterSpec:
     grpc_port: int = 9000
     http_host: str = "127.0.0.1"
     http_port: int = 8000
+    # auth (docs/cluster.md, "Security"): the API key from this file (a mounted secret) if set, else from the
+    # environment variable; neither: auth off.  The operator key also sees other clients' request ids.
+    api_key_env: str = "SPECSERVE_API_KEY"
+    api_key_file: str | None = None
+    operator_key_env: str = "SPECSERVE_OPERATOR_KEY"
     warmup_tokens: int = 4            # tokens generated per strategy before health says SERVING
     call_timeout_s: float = 30.0      # a model call that takes longer marks the model down (UNAVAILABLE)
 
@@ -81,6 +86,12 @@ class ClusterSpec:
             raise ConfigError(f"{path}.call_timeout_s: must be > 0, got {self.call_timeout_s}")
         if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"{path}.app_name: letters, digits, - and _ only, got {self.app_name!r}")
+        for name in ("api_key_env", "operator_key_env"):
+            v = getattr(self, name)
+            if not v or not (v[0].isalpha() or v[0] == "_") or not v.replace("_", "").isalnum() or not v.isascii():
+                raise ConfigError(f"{path}.{name}: an environment variable name, got {v!r}")
+        if self.api_key_file is not None and not self.api_key_file:
+            raise ConfigError(f"{path}.api_key_file: a path or null, got ''")
         for name in ("target", "drafters", "coordinator"):
             getattr(self, name).validate(f"{path}.{name}")
         if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:

@@ -243,7 +243,8 @@ def _segment(xs: list[int], x: float) -> tuple[int, int, float]:
 
 
 def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None, target_cost: ForwardCost,
-                      k_max: int, deterministic_drafter: bool, *, target_rows: int | None = None) -> int:
+                      k_max: int, deterministic_drafter: bool, *, target_rows: int | None = None,
+                      scale: dict[int, float] | None = None, margin: float = 0.0) -> int:
     """One draft length k in 0..k_max for a batch of B = len(alphas) rows, maximizing expected generated
     tokens per second of one step (ties: the smaller k):
 
@@ -255,7 +256,11 @@ def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None,
     the pending tokens -- ignored) and one target forward of k + 1 tokens per row.  A deterministic
     drafter (Max-Gram) costs ~0, so the denominator is target_cost(B_t, k + 1) alone.  k = 0 is plain
     decoding: target_cost(B_t, 1) for one token per row.  ``target_rows`` (B_t, default B) is the target
-    forward's batch when it is shared with rows outside this group.
+    forward's batch when it is shared with rows outside this group.  ``scale[k]`` (default 1) multiplies the
+    modelled step time of draft length k: the measured ratio of real step time to this model (catch-up tokens,
+    the engine's own work per round), learned online by the planner.  ``margin``: speculate only when the
+    best k > 0 beats plain decoding by more than this fraction (the model is an estimate; near a tie plain
+    decoding is the safe choice).
 
     Worked example: 16 rows at alpha = 0.8, deterministic drafter, target_cost(16, t) = 10 ms + 1 ms * t:
     k = 0 gives 16 * 1 / 11 ms = 1.45 tokens/ms, k = 4 gives 16 * 3.36 / 15 ms = 3.59, k = 6 gives
@@ -269,10 +274,9 @@ def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None,
     bt = b if target_rows is None else max(int(target_rows), b)
     alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
     per_draft = 0.0 if deterministic_drafter or drafter_cost is None else drafter_cost(b, 1)
-    best_k, best = 0, -1.0
+    rates = []
     for k in range(k_max + 1):
-        seconds = max(k * per_draft + target_cost(bt, k + 1), 1e-12)
-        rate = sum(expected_tokens(a, k) for a in alphas) / seconds
-        if rate > best * (1.0 + 1e-9):
-            best_k, best = k, rate
-    return best_k
+        seconds = max((k * per_draft + target_cost(bt, k + 1)) * (scale or {}).get(k, 1.0), 1e-12)
+        rates.append(sum(expected_tokens(a, k) for a in alphas) / seconds)
+    best_k = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))    # ties: the smaller k
+    return best_k if rates[best_k] > rates[0] * (1.0 + margin) * (1.0 + 1e-9) else 0

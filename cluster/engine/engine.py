@@ -149,7 +149,11 @@ class Engine:
             seq.begin_step()
         if self.planner is not None:
             self.planner.plan(running)
-        for seq, out in self._run_steps(running).items():
+        t0 = time.perf_counter()
+        outs = self._run_steps(running)
+        if self.planner is not None and running:
+            self.planner.observe(time.perf_counter() - t0)
+        for seq, out in outs.items():
             if isinstance(out, BaseException):
                 self._fail(seq, out)
                 ended.append(seq)

@@ -63,7 +63,8 @@ class Planner:
     """
 
     def __init__(self, costs: dict[str, ForwardCost], target: str, *, prior_alpha: float = 0.8,
-                 prior_weight: float = 4.0, probe_every: int = 8, memory: int = 4096, history: int = 10000):
+                 prior_weight: float = 4.0, probe_every: int = 8, memory: int = 4096, history: int = 10000,
+                 margin: float = 0.1):
         if target not in costs:
             raise ValueError(f"Planner: costs must include the target {target!r}")
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
@@ -77,6 +78,9 @@ class Planner:
         self._tracks: dict[int, _Track] = {}           # id(live sequence) -> what was read of its stats
         self._retired: dict[str, list[float]] = {}     # drafter -> [accepts, rejects] of finished requests
         self._zero_run: dict[str, int] = {}            # drafter -> consecutive k = 0 plans
+        self._ratio = {False: 1.0, True: 1.0}          # (k > 0) -> EMA of real / modelled step time
+        self.margin = margin                           # speculate only for a modelled gain above this
+        self._planned: tuple[int, float] | None = None  # (k, modelled seconds) of the largest group this step
 
     # -- acceptance ---------------------------------------------------------------------------------
     def alpha(self, drafter: str) -> float:
@@ -103,6 +107,22 @@ class Planner:
             if self.memory and n > self.memory:          # keep a recent average, not the all-time one
                 tot[0], tot[1] = tot[0] * self.memory / n, tot[1] * self.memory / n
 
+    def observe(self, seconds: float) -> None:
+        """The engine's wall time of the step just planned: corrects the cost model, one ratio for plain steps
+        (k = 0) and one for speculative steps (k > 0), so the choice follows real step times (drafter catch-up
+        tokens, per-round engine work) rather than bare forward costs."""
+        if self._planned is None:
+            return
+        k, modelled = self._planned
+        self._planned = None
+        if modelled > 0:
+            self._ratio[k > 0] = 0.9 * self._ratio[k > 0] + 0.1 * (seconds / modelled)
+
+    @property
+    def scale(self) -> dict[str, float]:
+        """The learned real/modelled step-time ratios, for reports."""
+        return {"plain": self._ratio[False], "speculative": self._ratio[True]}
+
     # -- the plan -----------------------------------------------------------------------------------
     def plan(self, running) -> None:
         """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware."""
@@ -125,16 +145,21 @@ class Planner:
             alphas = [self._request_alpha(self._tracks[id(s)], g) for s in seqs]
             k_max = min(s.req.strategy.k for s in seqs)
             drafter_cost = self.costs.get(drafter)
+            scale = {k: self._ratio[k > 0] for k in range(k_max + 1)}
             k = plan_draft_length(alphas, drafter_cost, target_cost, k_max, drafter_cost is None,
-                                  target_rows=batch)
+                                  target_rows=batch, scale=scale, margin=self.margin)
             if k == 0 and k_max > 0 and self.probe_every:
                 self._zero_run[drafter] = self._zero_run.get(drafter, 0) + 1
-                if self._zero_run[drafter] >= self.probe_every:   # refresh the estimate
+                # refresh the estimate; rarer under load, where a probe (a catch-up forward of every row) costs most
+                if self._zero_run[drafter] >= self.probe_every * max(1, len(seqs) // 4):
                     self._zero_run[drafter], k = 0, 1
             else:
                 self._zero_run[drafter] = 0
             for seq in seqs:
                 seq.ctx.planned_k = k
+            if len(seqs) == batch:                       # the whole step is this group's: its time is k's
+                per_draft = 0.0 if drafter_cost is None else drafter_cost(batch, 1)
+                self._planned = (k, k * per_draft + target_cost(batch, k + 1))
             self.history.append((batch, k))
             self.counts.setdefault(batch, Counter())[k] += 1
             self.last[drafter] = (batch, k, sum(alphas) / len(alphas))

@@ -19,6 +19,13 @@ from cluster.errors import (
     ParamError,
     shown,
 )
+from cluster.serving.auth import (
+    OPERATOR,
+    Unauthenticated,
+    bearer_token,
+    load_keys,
+    metadata_token,
+)
 from cluster.serving.coordinator import Coordinator
 from cluster.serving.grpc_api import (
     SERVICE,
@@ -40,8 +47,10 @@ from cluster.serving.http_api import (
 from cluster.serving.metrics import make_metrics, strategy_label
 from protos import specserve_pb2 as pb
 
-
 # -- the deployment --------------------------------------------------------------------------------
+RETRY_AFTER = {"Retry-After": "1"}        # seconds; on HTTP 429 (overloaded) and 503 (unavailable / not ready)
+
+
 class _Abort(Exception):
     """Carries a sanitized message to Serve after the gRPC status was set on the context."""
 
@@ -52,6 +61,7 @@ class SpecServeDeployment:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.keys = load_keys(cfg.cluster)        # first: a missing key file fails the replica at once
         self.coord = Coordinator(cfg, metrics=make_metrics())
         self._warm = threading.Thread(target=self._warmup, name="specserve-warmup", daemon=True)
         self._warm.start()
@@ -66,12 +76,24 @@ class SpecServeDeployment:
     def check_health(self) -> None:
         self.coord.health()
 
+    # -- auth (health checks are exempt) -----------------------------------------------------------
+    def _grpc_role(self, ctx) -> str:
+        """The caller's role from ``authorization: Bearer <key>`` metadata; raises Unauthenticated."""
+        if not self.keys.enabled:
+            return OPERATOR
+        role = self.keys.role(metadata_token(ctx.invocation_metadata() if ctx is not None else ()))
+        if role is None:
+            raise Unauthenticated()
+        return role
+
     # -- gRPC ---------------------------------------------------------------------------------------
     def _fail(self, ctx, exc: BaseException, strategy: str | None, empty=None):
         """Map ``exc`` to a status on ``ctx`` and return ``empty`` (the method's empty response): a refused
         request is answered, not raised through Serve (which would log a traceback for each).  Messages are
         ours and bounded (ParamError echoes a truncated value); the metric label is a validated strategy."""
-        if isinstance(exc, ParamError):
+        if isinstance(exc, Unauthenticated):
+            code, msg, outcome = grpc.StatusCode.UNAUTHENTICATED, str(exc), "unauthenticated"
+        elif isinstance(exc, ParamError):
             code, msg, outcome = grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
         elif isinstance(exc, OverloadedError):
             code, msg, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded"
@@ -82,7 +104,7 @@ class SpecServeDeployment:
         else:
             log.error("internal error", exc_info=exc)
             code, msg, outcome = grpc.StatusCode.INTERNAL, "internal error (details in the server log)", "error"
-        if outcome in ("invalid", "overloaded"):
+        if outcome in ("invalid", "overloaded", "unauthenticated"):
             log.info("refused (%s): %s", code.name, msg)                # one line per refused request
         if outcome != "error" and self.coord.metrics is not None:
             self.coord.metrics.record(strategy_label(strategy or self.cfg.engine.strategy), outcome)
@@ -94,6 +116,7 @@ class SpecServeDeployment:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
+            self._grpc_role(grpc_context)
             req = request_from_proto(request, self.cfg)
             return result_to_proto(await self.coord.generate(req))
         except asyncio.CancelledError:
@@ -103,6 +126,7 @@ class SpecServeDeployment:
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         try:
+            self._grpc_role(grpc_context)
             req = request_from_proto(request, self.cfg)
             async for chunk in self.coord.stream(req):
                 yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
@@ -114,7 +138,12 @@ class SpecServeDeployment:
             yield self._fail(grpc_context, e, request.strategy, pb.GenerateChunk())
 
     async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context=None) -> pb.ServerInfoResponse:
-        return await asyncio.to_thread(server_info, self.coord)
+        """Other clients' request ids only for an operator (with auth off: everyone)."""
+        try:
+            role = self._grpc_role(grpc_context)
+        except Unauthenticated as e:
+            return self._fail(grpc_context, e, None, pb.ServerInfoResponse())
+        return await asyncio.to_thread(server_info, self.coord, request_ids=role == OPERATOR)
 
     async def Check(self, request, grpc_context=None):
         from grpc_health.v1 import health_pb2
@@ -146,8 +175,16 @@ class SpecServeDeployment:
     async def __call__(self, request):
         from starlette.responses import JSONResponse
         path = request.url.path.rstrip("/")
-        if path.endswith("/health"):
-            return JSONResponse({"ready": self.coord.ready}, status_code=200 if self.coord.ready else 503)
+        if path.endswith("/health"):                   # exempt from auth (load balancers, probes)
+            if self.coord.ready:
+                return JSONResponse({"ready": True})
+            return JSONResponse({"ready": False}, status_code=503, headers=RETRY_AFTER)
+        if self.keys.enabled and self.keys.role(bearer_token(request.headers.get("authorization"))) is None:
+            log.info("refused (401): missing or invalid API key")
+            if self.coord.metrics is not None:
+                self.coord.metrics.record(strategy_label(self.cfg.engine.strategy), "unauthenticated")
+            return JSONResponse(_oai_error(str(Unauthenticated()), "authentication_error"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
         if path.endswith("/v1/models"):
             return JSONResponse({"object": "list", "data": [{"id": self.cfg.cluster.app_name, "object": "model",
                                                              "owned_by": "specserve"}]})
@@ -170,9 +207,9 @@ class SpecServeDeployment:
             return JSONResponse(_oai_error(str(e), "invalid_request_error", e.name), status_code=400)
         except OverloadedError as e:
             log.info("refused (429): %s", e)
-            return JSONResponse(_oai_error(str(e), "server_overloaded"), status_code=429)
+            return JSONResponse(_oai_error(str(e), "server_overloaded"), status_code=429, headers=RETRY_AFTER)
         except ModelUnavailableError as e:
-            return JSONResponse(_oai_error(str(e), "service_unavailable"), status_code=503)
+            return JSONResponse(_oai_error(str(e), "service_unavailable"), status_code=503, headers=RETRY_AFTER)
         except DeadlineExceededError as e:
             return JSONResponse(_oai_error(str(e), "timeout"), status_code=504)
         except Exception:                          # noqa: BLE001

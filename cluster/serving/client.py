@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Iterator
@@ -21,14 +22,22 @@ from cluster.errors import ParamError
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pbg
 
+API_KEY_ENV, OPERATOR_KEY_ENV = "SPECSERVE_API_KEY", "SPECSERVE_OPERATOR_KEY"
+
 
 class SpecServeClient:
+    """``api_key``: sent as ``authorization: Bearer <key>`` metadata; None (default) reads $SPECSERVE_API_KEY,
+    "" sends none."""
+
     def __init__(self, address: str = "127.0.0.1:9000", *, app: str | None = "specserve",
-                 timeout: float | None = None):
+                 timeout: float | None = None, api_key: str | None = None):
         self.address, self.timeout = address, timeout
         self.channel = grpc.insecure_channel(address)
         self.stub = pbg.SpecServeStub(self.channel)
-        self.metadata = (("application", app),) if app else ()
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV, "").strip()
+        self.metadata = ((("application", app),) if app else ()) + \
+            ((("authorization", f"Bearer {api_key}"),) if api_key else ())
 
     # -- requests ---------------------------------------------------------------------------------
     @staticmethod
@@ -91,7 +100,10 @@ def main_client(args) -> int:
     """``specserve client``: one request (or --info / --health) against a running cluster."""
 
     from google.protobuf.json_format import MessageToDict
-    c = SpecServeClient(args.address, app=args.app, timeout=float(args.timeout) if args.timeout else None)
+    # --info with $SPECSERVE_OPERATOR_KEY set: the operator key (it also lists other clients' request ids)
+    key = (os.environ.get(OPERATOR_KEY_ENV, "").strip() or None) if args.info else None
+    c = SpecServeClient(args.address, app=args.app, timeout=float(args.timeout) if args.timeout else None,
+                        api_key=key)
     try:
         if args.health:
             print(c.health())

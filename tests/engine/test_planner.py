@@ -176,5 +176,7 @@ def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):
     finally:
         engine.planner = measured
     assert [r.token_ids for r in out] == ref
-    assert history[:2] == [(3, 2), (3, 3)] and {k for _, k in history} <= {2, 3}
+    # first plans: k = each group's cap; later ones follow the measured acceptance (near 0 for these random
+    # models) and the observed step times, but never exceed a group's cap
+    assert history[:2] == [(3, 2), (3, 3)] and max(k for _, k in history) <= 3
     assert all(r.stats.drafted_tokens > 0 for r in out)
