@@ -13,6 +13,7 @@ from tests.support.exact import (
     VocabTokenizer,
     enumerate_outcomes,
     max_abs_diff,
+    pi_joint,
     random_dist,
     target_joint,
 )
@@ -124,23 +125,6 @@ def _engine_dist(target, drafter, strategy, options, n, sampling):
     return enumerate_outcomes(run)
 
 
-def _pi_joint(target, drafter, n, sampling, fn):
-    """Exact law of n tokens drawn one by one from pi = fn(q, p, q_raw, p_raw) at every prefix."""
-    out = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for seq, w in out.items():
-            prefix = [0] + list(seq)
-            ql, pl = drafter.logits(prefix), target.logits(prefix)
-            pi = fn(logits_to_probs(ql, sampling), logits_to_probs(pl, sampling),
-                    logits_to_probs(ql, UNSCALED), logits_to_probs(pl, UNSCALED))
-            for tok, pt in enumerate(pi.tolist()):
-                if pt > 0:
-                    nxt[seq + (tok,)] = nxt.get(seq + (tok,), 0.0) + w * pt
-        out = nxt
-    return out
-
-
 T1 = SamplingParams(1.0)
 
 
@@ -153,7 +137,7 @@ def test_spec_cascade_emits_its_pi(rule, alpha, vocab, seed):
     target, drafter = _models(vocab, seed)
     fn = lambda q, p, qr, pr: cascade_target(q, p, rule, alpha, qr, pr)
     got = _engine_dist(target, drafter, "spec_cascade", {"rule": rule, "alpha": alpha, "k": 2}, 2, T1)
-    want = _pi_joint(target, drafter, 2, T1, fn)
+    want = pi_joint(target, drafter, [0], 2, T1, fn)
     assert max_abs_diff(got, want) < 1e-9
     first = {}
     for seq, w in got.items():
@@ -171,8 +155,8 @@ def test_spec_cascade_with_temperature_follows_appendix_c(rule, alpha, sampling,
     target, drafter = _models(4, seed)
     fn = lambda q, p, qr, pr: cascade_target(q, p, rule, alpha, qr, pr)
     got = _engine_dist(target, drafter, "spec_cascade", {"rule": rule, "alpha": alpha, "k": 2}, 2, sampling)
-    assert max_abs_diff(got, _pi_joint(target, drafter, 2, sampling, fn)) < 1e-9
-    scaled_rule = _pi_joint(target, drafter, 2, sampling, lambda q, p, qr, pr: cascade_target(q, p, rule, alpha))
+    assert max_abs_diff(got, pi_joint(target, drafter, [0], 2, sampling, fn)) < 1e-9
+    scaled_rule = pi_joint(target, drafter, [0], 2, sampling, lambda q, p, qr, pr: cascade_target(q, p, rule, alpha))
     assert max_abs_diff(got, scaled_rule) > 0.1
 
 
@@ -180,7 +164,7 @@ def test_spec_cascade_with_temperature_follows_appendix_c(rule, alpha, sampling,
 def test_lossy_emits_its_pi(alpha):
     target, drafter = _models(4, 7)
     got = _engine_dist(target, drafter, "lossy", {"alpha": alpha, "k": 2}, 2, T1)
-    want = _pi_joint(target, drafter, 2, T1, lambda q, p, qr, pr: lossy_target(q, p, alpha))
+    want = pi_joint(target, drafter, [0], 2, T1, lambda q, p, qr, pr: lossy_target(q, p, alpha))
     assert max_abs_diff(got, want) < 1e-9
     assert max_abs_diff(got, target_joint(target, [0], 2)) > 1e-3
 
@@ -208,14 +192,14 @@ def test_lossy_alpha_zero_is_lossless():
 def test_token_cascade_is_sequential_chow(alpha):
     target, drafter = _models(4, 10)
     got = _engine_dist(target, drafter, "token_cascade", {"alpha": alpha}, 3, T1)
-    want = _pi_joint(target, drafter, 3, T1, lambda q, p, qr, pr: cascade_target(q, p, "chow", alpha, qr, pr))
+    want = pi_joint(target, drafter, [0], 3, T1, lambda q, p, qr, pr: cascade_target(q, p, "chow", alpha, qr, pr))
     assert max_abs_diff(got, want) < 1e-9
 
 
 def test_oracle_cascade_is_its_rule():
     target, drafter = _models(4, 11)
     got = _engine_dist(target, drafter, "oracle_cascade", {"rule": "diff", "alpha": 0.1}, 2, T1)
-    want = _pi_joint(target, drafter, 2, T1, lambda q, p, qr, pr: cascade_target(q, p, "diff", 0.1, qr, pr))
+    want = pi_joint(target, drafter, [0], 2, T1, lambda q, p, qr, pr: cascade_target(q, p, "diff", 0.1, qr, pr))
     assert max_abs_diff(got, want) < 1e-9
 
 
