@@ -160,7 +160,7 @@ class Coordinator:
         return seq.chunks[-1].result
 
     def _record(self, seq: Sequence, admitted: float) -> None:
-        outcome = {"error": "error", "cancelled": "cancelled"}.get(seq.finish, "ok")
+        outcome = {"error": "error", "cancelled": "cancelled", "deadline": "deadline"}.get(seq.finish, "ok")
         result = seq.chunks[-1].result if seq.chunks else None
         self.recent.append((seq.rid, seq.req.strategy_name, outcome, len(seq.generated)))
         if self.metrics is not None:

@@ -22,7 +22,7 @@ LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
-OUTCOMES = ("ok", "cancelled", "invalid", "overloaded", "unauthenticated", "error")
+OUTCOMES = ("ok", "cancelled", "invalid", "overloaded", "unauthenticated", "error", "deadline")
 
 
 INVALID_LABEL = "invalid"
