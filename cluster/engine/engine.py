@@ -180,7 +180,10 @@ class Engine:
                 for s in items:
                     s.stale.discard(name)
             except ModelUnavailableError as e:
-                self._model_down(name, e, items)
+                self.model_down(name, e)
+                if name == self.target:                  # nothing can go on without it
+                    for s in items:
+                        self._fail(s, e)
             except Exception as e:                       # noqa: BLE001 - fails these requests only
                 for s in items:
                     self._fail(s, e)
@@ -199,13 +202,6 @@ class Engine:
             if name in s.req.strategy.roles():
                 s.stale.add(name)
 
-    def _model_down(self, name: str, error: BaseException, seqs: list[Sequence]) -> None:
-        """``name`` stopped answering during ``seqs``' calls: the target fails them (nothing can go on)."""
-        self.model_down(name, error)
-        if name == self.target:
-            for s in seqs:
-                self._fail(s, error if isinstance(error, ModelUnavailableError) else ModelUnavailableError(name))
-
     def _run_steps(self, running: list[Sequence]) -> dict[Sequence, Any]:
         """Advance every request's strategy step to completion, batching their model calls per round."""
         gens, pending, out = {}, {}, {}
@@ -219,8 +215,7 @@ class Engine:
                 try:
                     results = run_group(self.models[model], kind, [(s.rid, pending[s]) for s in seqs])
                 except ModelUnavailableError as e:
-                    if model == self.target:
-                        self.health.mark_down(model, e)
+                    self.model_down(model, e)            # once for the group; the target's requests fail below
                     results = [e] * len(seqs)
                 except Exception as e:                   # noqa: BLE001 - fails this group's requests only
                     results = [e] * len(seqs)
@@ -228,7 +223,6 @@ class Engine:
                     del pending[seq]
                     if isinstance(result, ModelUnavailableError) and model != self.target:
                         gens[seq].close()                # a drafter went away: redo this step on the target
-                        self._model_down(model, result, [seq])
                         self.models[self.target].rollback(seq.rid, len(seq.ctx.tokens))
                         gens[seq] = self._step_of(seq)
                         self._advance(seq, gens[seq], None, pending, out)
@@ -308,4 +302,4 @@ class Engine:
         for s in seqs:
             if s.error is not None:
                 raise s.error
-        return [s.chunks[-1].result for s in seqs]
+        return [s.result for s in seqs]

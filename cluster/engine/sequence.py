@@ -29,6 +29,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
     error: BaseException | None = None
+    result: GenerationResult | None = None   # set by the step that finishes it normally
     chunks: list[StreamChunk] = field(default_factory=list)    # when there is no sink
     t0: float = field(default_factory=time.perf_counter)
     deadline: float | None = None          # perf_counter time by which it must end (None: no deadline)
@@ -74,9 +75,9 @@ class Sequence:
         stats.generated_tokens = len(self.generated)
         stats.wall_s = time.perf_counter() - self.t0
         self.finish = finish
-        result = None if finish is None else GenerationResult(self.generated, self.decoder.text, finish, stats,
-                                                              req.seed, req.rid)
-        return StreamChunk(new if stopped is None else [], text, finish, result)
+        if finish is not None:
+            self.result = GenerationResult(self.generated, self.decoder.text, finish, stats, req.seed, req.rid)
+        return StreamChunk(new if stopped is None else [], text, finish, self.result)
 
     def emit(self, chunk: StreamChunk) -> None:
         (self.sink or self.chunks.append)(chunk)

@@ -157,17 +157,14 @@ class Coordinator:
             raise TimeoutError(f"request {seq.rid} took longer than {timeout}s")
         if seq.error is not None:
             raise seq.error
-        return seq.chunks[-1].result
+        return seq.result
 
     def _record(self, seq: Sequence, admitted: float) -> None:
         outcome = {"error": "error", "cancelled": "cancelled", "deadline": "deadline"}.get(seq.finish, "ok")
-        result = seq.chunks[-1].result if seq.chunks else None
         self.recent.append((seq.rid, seq.req.strategy_name, outcome, len(seq.generated)))
         if self.metrics is not None:
             try:
-                final = GenerationResult(seq.generated, seq.decoder.text, seq.finish or "", seq.stats,
-                                         seq.req.seed, seq.rid) if outcome == "ok" else result
-                self.metrics.record(seq.req.strategy_name, outcome, final, time.perf_counter() - admitted)
+                self.metrics.record(seq.req.strategy_name, outcome, seq.result, time.perf_counter() - admitted)
             except Exception:                    # metrics never fail a request
                 log.exception("metrics")
 
