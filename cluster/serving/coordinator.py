@@ -173,8 +173,7 @@ class Coordinator:
         """Run every registered strategy the unit can serve for a few tokens (together); then ``ready``."""
         tokens = self.cfg.cluster.warmup_tokens if tokens is None else tokens
         if tokens:
-            done, errors = threading.Semaphore(0), {}
-            seqs = []
+            done, seqs = threading.Semaphore(0), []
             for name in sorted(REGISTRY):
                 req = GenerationRequest(prompt=WARMUP_PROMPT, max_new_tokens=tokens, seed=0, strategy=name,
                                         request_id=f"warmup-{name}-{uuid.uuid4().hex[:8]}", ignore_eos=True)
@@ -185,9 +184,9 @@ class Coordinator:
             self._notify()
             for _ in seqs:
                 done.acquire()
-            errors = {s.req.strategy_name: s.error for s in seqs if s.error is not None}
-            for name, e in errors.items():
-                log.warning("warm-up of %s failed: %s", name, e)
+            for s in seqs:
+                if s.error is not None:
+                    log.warning("warm-up of %s failed: %s", s.req.strategy_name, s.error)
         self.warm = True
 
     def health(self) -> dict:
