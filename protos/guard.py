@@ -8,6 +8,8 @@ package, which loads torch).  ``MAX_MESSAGE_BYTES`` must equal :data:`cluster.en
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 MAX_MESSAGE_BYTES = 8 << 20
@@ -55,7 +57,89 @@ class _Captured:
         self.services[service] = dict(methods)
 
 
+# -- stream cancellation that Serve's proxy would lose ------------------------------------------------
+# Ray Serve's gRPC proxy (ray 2.60, serve/_private/proxy.py ``send_request_to_replica``) forwards a client's
+# cancel to the replica only while it is awaiting the replica's next chunk: there a CancelledError reaches
+# ``ProxyResponseGenerator`` which cancels the replica call.  A cancel that arrives while the proxy's
+# generator is parked at ``yield`` (the chunk is being sent to the client) becomes a GeneratorExit that the
+# proxy's ``except BaseException`` swallows, and the replica call runs to its end (~10% of cancelled
+# streams).  Serve offers no hook for this, so we wrap the proxy's own streaming handler: a pump task keeps
+# the proxy's generator always inside that await (it asks for the next chunk as soon as one arrives and
+# queues it), and when the RPC ends early (the client cancels or disconnects: gRPC's done callback, or our
+# generator being closed) the pump task is cancelled, i.e. the cancel lands exactly where Serve handles it.
+_PUMPED = "_specserve_pumped"
+
+
+class _LiveContext:
+    """The RPC's servicer context as the pumped handler sees it.  grpc's context must not be touched once
+    the RPC has ended (``peer()`` on a finished call crashes the process), but Serve's handler, cancelled
+    from the pump, still logs the peer and sets a status afterwards: the peer and metadata are read while
+    the RPC is live, and once it has ended every other method is a no-op."""
+
+    def __init__(self, context):
+        self._ctx, self.ended = context, False
+        self._peer, self._metadata = context.peer(), context.invocation_metadata()
+
+    def peer(self):
+        return self._peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def __getattr__(self, name):
+        attr = getattr(self._ctx, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return None if self.ended else attr(*args, **kwargs)
+        return call
+
+
+def _pumped(handler):
+    """The proxy's ``unary_stream(request, context)`` handler, with cancels always forwarded (see above)."""
+    async def unary_stream(request, context):
+        queue: asyncio.Queue = asyncio.Queue()          # unbounded: at most one chunk per generated token
+        end = object()
+        live = _LiveContext(context)
+
+        async def pump():
+            try:
+                async for message in handler(request, live):
+                    queue.put_nowait(message)
+            except BaseException as e:                  # noqa: BLE001 - raised by the RPC below
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(end)
+
+        task = asyncio.ensure_future(pump())
+
+        def ended(_ctx=None):                           # the client cancelled / disconnected, or we returned
+            live.ended = True
+            task.cancel()                               # a no-op once the pump has finished
+        context.add_done_callback(ended)
+        try:
+            while (message := await queue.get()) is not end:
+                if isinstance(message, BaseException):
+                    raise message
+                yield message
+        finally:
+            ended()
+    return unary_stream
+
+
+def _pumping_factory(factory):
+    def service_handler_factory(service_method, streaming_type):
+        handler = factory(service_method=service_method, streaming_type=streaming_type)
+        return _pumped(handler) if getattr(streaming_type, "name", "") == "UNARY_STREAM" else handler
+    setattr(service_handler_factory, _PUMPED, True)
+    return service_handler_factory
+
+
 def _add_guarded(add_generated, servicer, server) -> None:
+    factory = getattr(server, "service_handler_factory", None)    # Serve's gRPCGenericServer only
+    if factory is not None and not getattr(factory, _PUMPED, False):
+        server.service_handler_factory = _pumping_factory(factory)
     captured = _Captured()
     add_generated(servicer, captured)
     for service, methods in captured.services.items():
