@@ -10,6 +10,7 @@ identical seeded generators over identical gathered logits, so the ranks stay in
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -34,13 +35,14 @@ class TPRank(ModelHost):
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def setup(self, master: tuple[str, int], backend: str, device: str) -> dict:
-        """Join the process group and load this rank's shard (all ranks call this together)."""
-
+    def setup(self, master: tuple[str, int], backend: str, device: str, collective_timeout_s: float = 600.0) -> dict:
+        """Join the process group and load this rank's shard (all ranks call this together).  A collective
+        that waits longer than ``collective_timeout_s`` for a peer (a dead rank) fails instead of hanging."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=self.rank, world_size=self.world)
+                                rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         self.worker = build_handle(self.cfg, self.name, tp_size=self.world)
         return self.info()
 
@@ -53,7 +55,8 @@ class TPRank(ModelHost):
 
 
 def start_tp_group(cfg, name: str, *, tp_size: int, num_cpus: float, num_gpus: float, threads: int = 1,
-                   backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0):
+                   backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0,
+                   collective_timeout_s: float = 600.0):
     """Create the placement group and the rank actors, initialise and load them; returns
     ``(actors ordered by rank, placement group, info of rank 0)``."""
     import ray
@@ -68,5 +71,6 @@ def start_tp_group(cfg, name: str, *, tp_size: int, num_cpus: float, num_gpus: f
                               placement_group=pg, placement_group_bundle_index=r))
               .remote(cfg, name, r, tp_size, threads) for r in range(tp_size)]
     master = ray.get(actors[0].address.remote(), timeout=timeout_s)
-    infos = ray.get([a.setup.remote(master, backend, device) for a in actors], timeout=timeout_s)
+    infos = ray.get([a.setup.remote(master, backend, device, collective_timeout_s) for a in actors],
+                    timeout=timeout_s)
     return actors, pg, infos[0]

@@ -11,9 +11,11 @@ Not part of the algorithm core: the engine and strategies never import this modu
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,15 +23,24 @@ from actors.protocol import StateLostError, StepCall, expand_onehot, nbytes, unp
 from cluster.core.sampling import SamplingParams
 from cluster.errors import ModelUnavailableError
 
+log = logging.getLogger("specserve.remote")
 
 class Endpoint:
-    """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group, called through Ray."""
+    """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group, called through Ray.
 
-    def __init__(self, actors: list, *, name: str = "model", timeout_s: float = 300.0, placement_group=None):
+    A single actor is restarted by Ray (``max_restarts``).  A group cannot take a restarted rank back into its
+    ``torch.distributed`` process group, so a group endpoint has a ``rebuild`` (``() -> (actors, placement
+    group)``): once the group is down, :meth:`probe` kills every rank and starts a whole new group."""
+
+    def __init__(self, actors: list, *, name: str = "model", timeout_s: float = 300.0, placement_group=None,
+                 rebuild: Callable[[], tuple[list, object]] | None = None):
         self.actors, self.timeout_s, self.placement_group = list(actors), timeout_s, placement_group
         self.name = name
         self._submit = threading.Lock()      # every rank must see calls in the same order
         self._probe = None
+        self._rebuild = rebuild
+        self._rebuilding: threading.Thread | None = None
+        self._rebuilt = False
 
     def _all(self, method: str, *args):
         import ray
@@ -53,13 +64,26 @@ class Endpoint:
         except RayTaskError as e:
             if isinstance(e.cause, StateLostError):       # restarted before anyone noticed: state is gone
                 raise ModelUnavailableError(self.name, "restarted") from e
+            if self._rebuild is not None and not self._all_answer():   # a collective failed: a rank died
+                raise ModelUnavailableError(self.name, "a tensor-parallel rank died") from e
             raise
         except GetTimeoutError as e:
             raise ModelUnavailableError(self.name, f"not answering within {self.timeout_s:g}s") from e
 
-    def probe(self) -> bool:
-        """Non-blocking: True once every actor answers a health call again (after a restart)."""
+    def _all_answer(self, timeout_s: float = 2.0) -> bool:
         import ray
+        try:
+            ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
+            return True
+        except Exception:                                # noqa: BLE001 - dead, restarting or hung
+            return False
+
+    def probe(self) -> bool:
+        """Non-blocking: True once every actor answers a health call again (after a restart; a group: once
+        it has been rebuilt, see the class docstring)."""
+        import ray
+        if self._rebuild is not None:
+            return self._probe_group()
         if self._probe is None:
             self._probe = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(self._probe, num_returns=len(self._probe), timeout=0)
@@ -72,6 +96,29 @@ class Endpoint:
         except Exception:                                # noqa: BLE001 - still down: probe again later
             return False
 
+    def _probe_group(self) -> bool:
+        if self._rebuilding is None:                     # first probe after the group went down
+            self._rebuilt = False
+            self._rebuilding = threading.Thread(target=self._rebuild_group, daemon=True,
+                                                name=f"specserve-rebuild-{self.name}")
+            self._rebuilding.start()
+            return False
+        if self._rebuilding.is_alive():
+            return False
+        self._rebuilding = None                          # done: a failed attempt is retried at the next probe
+        return self._rebuilt
+
+    def _rebuild_group(self) -> None:
+        try:
+            self.kill()                                  # also unblocks a rank waiting in a collective
+            actors, pg = self._rebuild()
+            with self._submit:
+                self.actors, self.placement_group = list(actors), pg
+            self._rebuilt = True
+            log.warning("tensor-parallel group %s rebuilt (%d ranks)", self.name, len(actors))
+        except Exception:                                # noqa: BLE001 - logged; the next probe tries again
+            log.exception("rebuilding tensor-parallel group %s failed", self.name)
+
     def active_requests(self) -> list[str]:
         return self._all("active_requests")[0]
 
@@ -81,10 +128,14 @@ class Endpoint:
     def kill(self) -> None:
         import ray
         for a in self.actors:
-            ray.kill(a, no_restart=True)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:                            # noqa: BLE001 - already gone
+                pass
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 @dataclass

@@ -37,11 +37,15 @@ def build_unit(cfg: Config, topology: str | None = None):
     entries: dict[str, ModelEntry] = {}
     # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
     started: dict[str, tuple] = {}
+    rebuild = None
     if cl.tp_size > 1:                           # the target: a TP group (loads while it starts) ...
-        actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
-                                       num_gpus=cl.target.num_gpus, threads=cl.target.threads,
-                                       backend=cl.tp_backend(), device=cfg.models[cfg.target].device)
-        started[cfg.target] = (actors, pg, "tp-group")
+        def rebuild():
+            actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
+                                           num_gpus=cl.target.num_gpus, threads=cl.target.threads,
+                                           backend=cl.tp_backend(), device=cfg.models[cfg.target].device,
+                                           collective_timeout_s=cl.call_timeout_s)
+            return actors, pg
+        started[cfg.target] = (*rebuild(), "tp-group")
     elif cl.target_placement == "actor":        # ... or one actor
         actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
                                   threads=cl.target.threads)
@@ -59,7 +63,8 @@ def build_unit(cfg: Config, topology: str | None = None):
     infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=STARTUP_TIMEOUT_S)
     endpoints: list[Endpoint] = []
     for (name, (actors, pg, placement)), info in zip(started.items(), infos):
-        ep = Endpoint(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg)
+        ep = Endpoint(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
+                      rebuild=rebuild if placement == "tp-group" else None)
         endpoints.append(ep)
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))

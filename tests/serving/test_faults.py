@@ -115,3 +115,45 @@ def test_dead_target_fails_fast_and_the_unit_serves_again(unit):
     print(f"\ntarget killed: in-flight requests failed with UNAVAILABLE after {failed_in:.1f}s; "
           f"serving again after {recovered_in:.1f}s")
     assert not any(ids for ids in coord.active_requests().values())
+
+
+def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
+    """Killing one rank of a TP=2 target: in-flight requests get UNAVAILABLE within seconds, health says
+    NOT_SERVING, the unit kills the rest of the group, starts a new one and serves the same greedy output."""
+    from cluster.config.schema import config_from_dict
+    from cluster.serving.coordinator import Coordinator
+    from tests.support.checkpoints import write_tiny_checkpoints
+    cfg = config_from_dict({"models": write_tiny_checkpoints(tmp_path),
+                            "cluster": {"tp_size": 2, "backend": "gloo", "target": {"num_cpus": 0.1},
+                                        "drafters": {"num_cpus": 0.1}, "call_timeout_s": 10.0}})
+    coord = Coordinator(cfg)
+    try:
+        coord.warmup(2)
+        local = engine_for(cfg)
+        want = local.generate(_req("speculative", n=24, seed=3, drafter="drafter")).token_ids
+        old = coord.entries["target"].handle.endpoint.actors
+        rank1 = ray.get(old[1].__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+        steps_before = coord.engine.steps
+        threads, results = _run_concurrently(coord, [_req("speculative", n=400, seed=i, drafter="drafter")
+                                                     for i in range(2)])
+        _poll(lambda: coord.engine.steps >= steps_before + 2, "the requests to be decoding")
+        os.kill(rank1, signal.SIGKILL)
+        t_kill = time.perf_counter()
+        _poll(lambda: not coord.ready, "health to say NOT_SERVING", timeout=10)
+        not_serving_in = time.perf_counter() - t_kill
+        for t in threads:
+            t.join(DEADLINE_S)
+        failed_in = time.perf_counter() - t_kill
+        assert all(isinstance(r, ModelUnavailableError) for r in results), results
+        assert failed_in < 15.0
+        _poll(lambda: coord.ready, "the rebuilt group to serve")
+        recovered_in = time.perf_counter() - t_kill
+        new = coord.entries["target"].handle.endpoint.actors
+        assert len(new) == 2 and not set(map(id, new)) & set(map(id, old))     # a whole new group
+        got = coord.generate_blocking(_req("speculative", n=24, seed=3, drafter="drafter"), timeout=DEADLINE_S)
+        assert got.token_ids == want
+        print(f"\nTP rank killed: NOT_SERVING after {not_serving_in:.1f}s, in-flight requests UNAVAILABLE after "
+              f"{failed_in:.1f}s, group rebuilt and serving after {recovered_in:.1f}s")
+        assert not any(ids for ids in coord.active_requests().values())
+    finally:
+        coord.shutdown()

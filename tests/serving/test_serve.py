@@ -245,22 +245,12 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
     """A unit whose target is TP=2 (two rank actors in one placement group, gloo, each loading its
     shard with transformers' tp plan from a checkpoint in tmp_path) gives the scores of TP=1 within
     1e-4 and the same greedy output as the in-process engine."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from cluster.config.schema import config_from_dict
-    from cluster.models.tiny import tiny_llama, truncated
     from cluster.serving.coordinator import Coordinator
     from tests.support.built import engine_for
+    from tests.support.checkpoints import write_tiny_checkpoints
     from tests.support.reference_worker import HFWorker
-    model = tiny_llama(hidden=64, layers=3, heads=4, seed=5)
-    model.save_pretrained(tmp_path / "target")
-    truncated(model, 1).save_pretrained(tmp_path / "drafter")
-    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(257)}, unk_token="<0>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()           # a word-level tokenizer over the 257 ids
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<256>").save_pretrained(tmp_path / "target")
-    cfg = config_from_dict({"models": {"target": {"path": str(tmp_path / "target")},
-                                       "drafter": {"path": str(tmp_path / "drafter")}},
+    cfg = config_from_dict({"models": write_tiny_checkpoints(tmp_path),
                             "cluster": {"tp_size": 2, "backend": "gloo", "target": {"num_cpus": 0.1}}})
     coord = Coordinator(cfg)
     try:
