@@ -70,11 +70,21 @@ class _Captured:
 _PUMPED = "_specserve_pumped"
 
 
+# Our handlers answer INTERNAL only with this text (cluster.serving.app).  Any other INTERNAL comes from Serve's
+# proxy itself: the replica's actor died or restarted (Ray's message names its pid and node address).
+INTERNAL_DETAILS = "internal error (details in the server log)"
+REPLICA_LOST = "the serving replica failed or restarted; retry the request"
+
+
 class _LiveContext:
-    """The RPC's servicer context as the pumped handler sees it.  grpc's context must not be touched once
-    the RPC has ended (``peer()`` on a finished call crashes the process), but Serve's handler, cancelled
-    from the pump, still logs the peer and sets a status afterwards: the peer and metadata are read while
-    the RPC is live, and once it has ended every other method is a no-op."""
+    """The RPC's servicer context as Serve's proxy handler sees it.
+
+    - grpc's context must not be touched once the RPC has ended (``peer()`` on a finished call crashes the
+      process), but Serve's handler, cancelled from the pump, still logs the peer and sets a status
+      afterwards: the peer and metadata are read while the RPC is live, and once it has ended every other
+      method is a no-op.
+    - A lost replica reaches clients as ``UNAVAILABLE`` (which standard retry policies retry) with a plain
+      message, not as Serve's ``INTERNAL`` with Ray's text (pid, node address); see ``INTERNAL_DETAILS``."""
 
     def __init__(self, context):
         self._ctx, self.ended = context, False
@@ -85,6 +95,14 @@ class _LiveContext:
 
     def invocation_metadata(self):
         return self._metadata
+
+    def set_details(self, details):
+        if self.ended:
+            return
+        if self._ctx.code() == grpc.StatusCode.INTERNAL and details != INTERNAL_DETAILS:
+            self._ctx.set_code(grpc.StatusCode.UNAVAILABLE)
+            details = REPLICA_LOST
+        self._ctx.set_details(details)
 
     def __getattr__(self, name):
         attr = getattr(self._ctx, name)
@@ -128,10 +146,23 @@ def _pumped(handler):
     return unary_stream
 
 
+def _unary(handler):
+    """The proxy's ``unary_unary(request, context)`` handler over a :class:`_LiveContext`."""
+    async def unary_unary(request, context):
+        live = _LiveContext(context)
+        try:
+            return await handler(request, live)
+        finally:
+            live.ended = True
+    return unary_unary
+
+
 def _pumping_factory(factory):
     def service_handler_factory(service_method, streaming_type):
         handler = factory(service_method=service_method, streaming_type=streaming_type)
-        return _pumped(handler) if getattr(streaming_type, "name", "") == "UNARY_STREAM" else handler
+        kind = getattr(streaming_type, "name", "")
+        return _pumped(handler) if kind == "UNARY_STREAM" else _unary(handler) if kind == "UNARY_UNARY" \
+            else handler
     setattr(service_handler_factory, _PUMPED, True)
     return service_handler_factory
 
