@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -162,6 +163,20 @@ def test_unary_deadline_frees_state(served):
     assert done and done[-1].outcome == "cancelled" and done[-1].generated_tokens < 512   # stopped early
 
 
+def _arrivals(call) -> list[float]:
+    """Consume a stream in a background thread, recording each chunk's arrival time."""
+    times: list[float] = []
+
+    def read():
+        try:
+            for _ in call:
+                times.append(time.perf_counter())
+        except grpc.RpcError:
+            pass
+    threading.Thread(target=read, daemon=True).start()
+    return times
+
+
 def test_overload_resource_exhausted(served):
     cfg, c = served
     cap = cfg.engine.capacity
@@ -169,10 +184,30 @@ def test_overload_resource_exhausted(served):
                       request_id=f"hold-{i}") for i in range(cap)]
     try:
         _poll(lambda: len(_active(c)["live"]) == cap, f"{cap} live requests")
+        arrivals = _arrivals(calls[0])                  # one chunk per engine step (autoregressive)
         with pytest.raises(grpc.RpcError) as e:
             c.generate(prompt="hi", max_new_tokens=2)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_queue" in e.value.details()
+        took = []                                   # refusal latency while the unit is busy (printed, -s)
+        for _ in range(20):
+            t0 = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt="hi", max_new_tokens=2)
+            took.append(time.perf_counter() - t0)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        took.sort()
+        ping = []                                   # the transport alone: health checks under the same load
+        for _ in range(20):
+            t0 = time.perf_counter()
+            c.health()
+            ping.append(time.perf_counter() - t0)
+        ping.sort()
+        _poll(lambda: len(arrivals) > 40, "the held stream to advance")
+        gaps = sorted(b - a for a, b in zip(arrivals[20:], arrivals[21:]))
+        print(f"\nrefusals under full load: p50 {took[10] * 1e3:.1f} ms, max {took[-1] * 1e3:.1f} ms "
+              f"(health check meanwhile: p50 {ping[10] * 1e3:.1f} ms; "
+              f"engine step: median {gaps[len(gaps) // 2] * 1e3:.1f} ms)")
     finally:
         for call in calls:
             call.cancel()
