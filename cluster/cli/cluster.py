@@ -1,14 +1,19 @@
-"""``specserve up`` / ``down`` / ``client``: run the serving cluster and talk to it (see docs/cluster.md)."""
+"""``specserve up`` / ``down`` / ``client`` / ``serve-config``: run the serving cluster and talk to it (see
+docs/cluster.md)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
 
+import yaml
+
 from cluster.cli.common import load_built_config
+from cluster.config.schema import load_config
 from cluster.errors import ParamError, check_float
 from cluster.serving.app import start_serve
 from cluster.serving.client import SpecServeClient, main_client
+from cluster.serving.deploy import serve_config
 
 
 def add_cluster_commands(sub) -> None:
@@ -18,6 +23,11 @@ def add_cluster_commands(sub) -> None:
     u.add_argument("--detach", action="store_true",
                    help="return once serving (starts a Ray head with `ray start --head` unless --address)")
     u.add_argument("--timeout", default="900", help="seconds to wait for SERVING (default 900)")
+
+    s = sub.add_parser("serve-config", help="print the Ray Serve config that deploys a config (for serve deploy "
+                       "or a KubeRay RayService's serveConfigV2); `up` deploys the same")
+    s.add_argument("--config", default="configs/local.yaml", help="YAML config (default: configs/local.yaml)")
+    s.add_argument("--path", help="the config's path where Serve runs (default: --config), e.g. /app/configs/x.yaml")
 
     d = sub.add_parser("down", help="delete the served application (and optionally stop the local Ray)")
     d.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
@@ -49,6 +59,10 @@ def run_cluster_command(args) -> int:
         return cmd_up(args)
     if args.command == "down":
         return cmd_down(args)
+    if args.command == "serve-config":
+        cfg = load_config(args.config)
+        print(yaml.safe_dump(serve_config(cfg, args.path or args.config), sort_keys=False), end="")
+        return 0
     for kv in args.option:
         if "=" not in kv:
             raise ParamError("option", "NAME=VALUE", kv)
@@ -71,6 +85,8 @@ def cmd_up(args) -> int:
         c.wait_ready(timeout)
     print(f"specserve: SERVING  gRPC 127.0.0.1:{cl.grpc_port} (specserve.v1.SpecServe)  "
           f"HTTP http://{cl.http_host}:{cl.http_port}/v1/completions", file=sys.stderr)
+    for url in metrics_urls():
+        print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
     if args.detach:
         print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if not args.address else "`"),
               file=sys.stderr)
@@ -83,6 +99,13 @@ def cmd_up(args) -> int:
     except KeyboardInterrupt:
         serve.shutdown()
     return 0
+
+
+def metrics_urls() -> list[str]:
+    """Each live Ray node's metrics endpoint (Ray exports Serve's and ours there; docs/cluster.md)."""
+    import ray
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
+            if n.get("Alive") and n.get("MetricsExportPort")]
 
 
 def cmd_down(args) -> int:

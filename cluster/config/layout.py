@@ -1,7 +1,7 @@
 """The ``cluster:`` section of a config: how one serving unit is laid out on Ray, and its limits.
 
 A serving unit = a coordinator (the Serve replica running :class:`cluster.engine.Engine`), its
-drafters and its target group.  Serve replicas scale whole units (``replicas``).
+drafters and its target group.  Serve replicas scale whole units (``replicas``, or ``autoscaling``).
 
 Topologies:
   * ``default``   -- drafters run inside the coordinator process (small models: no RPC per draft
@@ -45,6 +45,53 @@ class ActorResources:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """Serve autoscaling of whole serving units: mapped onto Ray Serve's ``autoscaling_config`` (units =
+    replicas of the deployment).  Serve adds a unit when the mean of ongoing requests per unit over
+    ``look_back_period_s`` stays above ``target_ongoing_requests`` for ``upscale_delay_s``, and removes one
+    (after draining it, see ``ClusterSpec.drain_timeout_s``) when it stays below for ``downscale_delay_s``."""
+
+    min_units: int = 1
+    max_units: int = 1
+    initial_units: int | None = None          # None: min_units
+    target_ongoing_requests: float | None = None   # per unit; None: the engine's max_batch
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    upscaling_factor: float | None = None     # Serve's multiplicative gain on a decision (None: 1)
+    downscaling_factor: float | None = None
+
+    def validate(self, path: str) -> None:
+        if not 1 <= self.min_units <= 1024:
+            raise ConfigError(f"{path}.min_units: must be in [1, 1024], got {self.min_units}")
+        if not self.min_units <= self.max_units <= 1024:
+            raise ConfigError(f"{path}.max_units: must be in [min_units={self.min_units}, 1024], "
+                              f"got {self.max_units}")
+        if self.initial_units is not None and not self.min_units <= self.initial_units <= self.max_units:
+            raise ConfigError(f"{path}.initial_units: must be in [min_units={self.min_units}, "
+                              f"max_units={self.max_units}], got {self.initial_units}")
+        for name in ("target_ongoing_requests", "look_back_period_s", "upscaling_factor", "downscaling_factor"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConfigError(f"{path}.{name}: must be > 0, got {v}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
+
+    def serve_config(self, max_batch: int) -> dict:
+        """Ray Serve's ``autoscaling_config`` for a deployment whose units batch ``max_batch`` requests."""
+        out = {"min_replicas": self.min_units, "max_replicas": self.max_units,
+               "initial_replicas": self.initial_units if self.initial_units is not None else self.min_units,
+               "target_ongoing_requests": self.target_ongoing_requests or float(max_batch),
+               "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+               "look_back_period_s": self.look_back_period_s}
+        for name in ("upscaling_factor", "downscaling_factor"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     topology: str = "separated"
     target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
@@ -53,7 +100,9 @@ class ClusterSpec:
     target: ActorResources = field(default_factory=ActorResources)        # per TP rank
     drafters: ActorResources = field(default_factory=ActorResources)      # per drafter actor (separated)
     coordinator: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=1.0))
-    replicas: int = 1                 # serving units (Serve replicas)
+    replicas: int = 1                 # serving units (Serve replicas); or scaled by `autoscaling`
+    autoscaling: AutoscalingSpec | None = None
+    drain_timeout_s: float = 120.0    # a unit being removed finishes its requests for up to this long
     app_name: str = "specserve"
     grpc_port: int = 9000
     http_host: str = "127.0.0.1"
@@ -82,6 +131,13 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.{name}: must be in [{low}, {high}], got {v}")
         if self.grpc_port == self.http_port:
             raise ConfigError(f"{path}.grpc_port: must differ from http_port ({self.http_port})")
+        if self.autoscaling is not None:
+            if self.replicas != 1:
+                raise ConfigError(f"{path}.replicas: leave it out with autoscaling (use "
+                                  f"autoscaling.initial_units), got {self.replicas}")
+            self.autoscaling.validate(f"{path}.autoscaling")
+        if not 0 <= self.drain_timeout_s <= 86400:
+            raise ConfigError(f"{path}.drain_timeout_s: must be in [0, 86400], got {self.drain_timeout_s}")
         if self.call_timeout_s <= 0:
             raise ConfigError(f"{path}.call_timeout_s: must be > 0, got {self.call_timeout_s}")
         if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():

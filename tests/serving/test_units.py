@@ -91,6 +91,14 @@ def test_configs_cluster_sections():
     ({"grpc_port": 8000, "http_port": 8000}, ["cluster.grpc_port", "8000"]),
     ({"warmup_tokens": -1}, ["cluster.warmup_tokens", "-1"]),
     ({"replicaz": 2}, ["cluster.replicaz", "unknown field"]),
+    ({"autoscaling": {"min_units": 0}}, ["cluster.autoscaling.min_units", "[1, 1024]", "0"]),
+    ({"autoscaling": {"min_units": 2, "max_units": 1}}, ["cluster.autoscaling.max_units", "min_units=2", "1"]),
+    ({"autoscaling": {"max_units": 3, "initial_units": 4}}, ["cluster.autoscaling.initial_units", "4"]),
+    ({"autoscaling": {"target_ongoing_requests": 0}}, ["cluster.autoscaling.target_ongoing_requests", "> 0"]),
+    ({"autoscaling": {"upscale_delay_s": -1}}, ["cluster.autoscaling.upscale_delay_s", "-1"]),
+    ({"autoscaling": {"max_unitz": 3}}, ["cluster.autoscaling.max_unitz", "unknown field"]),
+    ({"autoscaling": {"max_units": 3}, "replicas": 2}, ["cluster.replicas", "initial_units", "2"]),
+    ({"drain_timeout_s": -1}, ["cluster.drain_timeout_s", "-1"]),
 ])
 def test_bad_cluster_config_names_field(section, words):
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
@@ -99,6 +107,28 @@ def test_bad_cluster_config_names_field(section, words):
         config_from_dict(data)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_autoscaling_maps_onto_serve_and_one_serve_config_deploys_it():
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serving.deploy import deployment_options, serve_config
+    data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    data["cluster"].update(autoscaling={"min_units": 1, "max_units": 3, "upscale_delay_s": 2,
+                                        "downscale_delay_s": 5}, drain_timeout_s=30)
+    cfg = config_from_dict(data)
+    opts = deployment_options(cfg)
+    auto = AutoscalingConfig(**opts["autoscaling_config"])          # Serve's own validation
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 3, 1)
+    assert auto.target_ongoing_requests == cfg.engine.max_batch and auto.upscale_delay_s == 2
+    assert "num_replicas" not in opts and opts["graceful_shutdown_timeout_s"] == 30
+    fixed = deployment_options(load_config(ROOT / "configs" / "tiny.yaml"))
+    assert fixed["num_replicas"] == 1 and "autoscaling_config" not in fixed
+    sc = serve_config(cfg, "/app/configs/tiny.yaml")
+    ServeDeploySchema.model_validate(sc)                            # what `serve deploy` / KubeRay accept
+    assert sc["applications"][0]["args"] == {"config": "/app/configs/tiny.yaml"}
+    assert "deployments" not in sc["applications"][0]              # options come from the config, once
 
 
 def test_generated_stubs_are_up_to_date(tmp_path):
