@@ -138,33 +138,6 @@ def test_generated_stubs_are_up_to_date(tmp_path):
             f"protos/{path.name} is stale: run python -m protos.build"
 
 
-def test_kuberay_manifest_validates_against_crd():
-    jsonschema = pytest.importorskip("jsonschema")
-    # shared/ lies beside the checkout (CI's layout); /work/shared is the workplace's copy
-    candidates = [ROOT.parent / "shared", ROOT / "shared", Path("/work/shared")]
-    crd_path = next((c / "kuberay" / "ray.io_rayservices.yaml" for c in candidates
-                     if (c / "kuberay" / "ray.io_rayservices.yaml").is_file()), None)
-    if crd_path is None:
-        pytest.skip("KubeRay CRD not available (shared/kuberay beside the checkout)")
-    crd = yaml.safe_load(crd_path.read_text())
-    doc = yaml.safe_load((ROOT / "k8s" / "rayservice-production-70b.yaml").read_text())
-    version = doc["apiVersion"].split("/")[1]
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
-    jsonschema.validate(doc, schema)
-    broken = {**doc, "spec": {**doc["spec"], "rayClusterConfig": {"workerGroupSpecs": []}}}
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(broken, schema)
-    serve_cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    app = serve_cfg["applications"][0]
-    module, attr = app["import_path"].split(":")
-    assert callable(getattr(__import__(module, fromlist=[attr]), attr))
-    cfg = load_config(ROOT / "configs" / Path(app["args"]["config"]).name)
-    assert serve_cfg["grpc_options"]["port"] == cfg.cluster.grpc_port
-    assert serve_cfg["http_options"]["port"] == cfg.cluster.http_port
-    from cluster.serving.grpc_api import SERVICER_FUNCTIONS
-    assert serve_cfg["grpc_options"]["grpc_servicer_functions"] == SERVICER_FUNCTIONS
-
-
 @pytest.mark.parametrize("body,name", [
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": "x", "n": 2}, "n"),

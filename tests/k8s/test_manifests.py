@@ -1,0 +1,294 @@
+"""Every manifest in k8s/ against the KubeRay CRD schemas (tests/k8s/crds/, unknown fields rejected), the
+Kubernetes schemas (kubernetes-validate), Ray Serve's config schema and the configs it deploys; and
+each validator rejecting a broken manifest. No cluster is needed (docs/cluster.md, "Kubernetes")."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from cluster.config.schema import load_config
+from cluster.serving.deploy import serve_config
+from tests.k8s import rules
+from tests.k8s.validators import (
+    ROOT,
+    crd_errors,
+    k8s_errors,
+    load_docs,
+    manifest_errors,
+    podmonitor_errors,
+    ray_pod_templates,
+    rayservice_core_errors,
+    serve_config_errors,
+)
+
+# Ray's own Serve config models use pydantic-1-style Field(...) arguments: not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
+DOCS = [(f"{p.name}#{i}", doc) for p in MANIFESTS for i, doc in enumerate(load_docs(p))]
+RAYSERVICES = {p.name: d for p in MANIFESTS for d in load_docs(p) if d["kind"] == "RayService"}
+
+# What issue 12 asks of each RayService beyond a valid schema.
+EXPECT = {
+    "rayservice-production-70b.yaml": {"autoscaling": True, "gcs_ft": True, "gpu": True, "key_required": True},
+    "rayservice-cpu.yaml": {"autoscaling": False, "gcs_ft": False, "gpu": False, "key_required": False},
+}
+
+
+def _cfg(doc):
+    return load_config(rules.repo_config_path(rules.serve_config(doc)))
+
+
+def _worker(doc, i=0):
+    return doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][i]
+
+
+def _mutated(doc, change):
+    doc = copy.deepcopy(doc)
+    change(doc)
+    return doc
+
+
+def test_manifests_exist():
+    assert set(RAYSERVICES) == set(EXPECT), "every RayService in k8s/ needs its EXPECT entry"
+    assert {d["kind"] for _, d in DOCS} >= {"RayService", "PodMonitor", "Ingress"}
+
+
+@pytest.mark.parametrize("name,doc", DOCS, ids=[n for n, _ in DOCS])
+def test_manifest_validates(name, doc):
+    assert manifest_errors(doc) == []
+
+
+# -- the validators reject what the API server (strict field validation) would ---------------------------
+def _container(doc):
+    return _worker(doc)["template"]["spec"]["containers"][0]
+
+
+CRD_BREAKAGES = {
+    "unknown spec field": (lambda d: d["spec"].__setitem__("serveConfigV3", ""), "serveConfigV3"),
+    "typo in rayClusterConfig": (lambda d: d["spec"]["rayClusterConfig"].__setitem__("enableInTreeAutoscalng", True),
+                                 "enableInTreeAutoscalng"),
+    "typo in an embedded container": (lambda d: _container(d).__setitem__("readinesProbe", {}), "readinesProbe"),
+    "field the CRD's template metadata lacks": (
+        lambda d: _worker(d)["template"]["metadata"].__setitem__("generateName", "x-"), "generateName"),
+    "duplicate env name": (lambda d: _container(d)["env"].append(dict(_container(d)["env"][0])), "duplicate"),
+    "duplicate container port": (lambda d: _container(d)["ports"].append({"containerPort": 8000, "name": "x"}),
+                                 "duplicate"),
+    "wrong type": (lambda d: _worker(d).__setitem__("replicas", "one"), "not of type 'integer'"),
+    "missing required groupName": (lambda d: _worker(d).pop("groupName"), "groupName"),
+}
+
+
+@pytest.mark.parametrize("breakage", CRD_BREAKAGES)
+def test_crd_validator_rejects(breakage):
+    change, words = CRD_BREAKAGES[breakage]
+    errors = crd_errors(_mutated(RAYSERVICES["rayservice-cpu.yaml"], change))
+    assert errors and any(words in e for e in errors), errors
+
+
+def test_kubernetes_validator_rejects_embedded_objects():
+    doc = RAYSERVICES["rayservice-cpu.yaml"]
+    bad_container = _mutated(doc, lambda d: _container(d).__setitem__("imagePullPolicyy", "Always"))
+    assert any("imagePullPolicyy" in e and "cpu pod template" in e for e in rayservice_core_errors(bad_container))
+    no_name = _mutated(doc, lambda d: _container(d).pop("name"))
+    assert any("'name' is a required property" in e for e in rayservice_core_errors(no_name))
+    bad_port = _mutated(doc, lambda d: d["spec"]["serveService"]["spec"]["ports"][0].__setitem__("prot", 1))
+    assert any("serveService" in e and "prot" in e for e in rayservice_core_errors(bad_port))
+    bad_meta = _mutated(doc, lambda d: d["metadata"].__setitem__("labelz", {}))
+    assert any("labelz" in e for e in rayservice_core_errors(bad_meta))
+
+
+def test_kubernetes_validator_rejects_core_objects():
+    ingress = next(d for _, d in DOCS if d["kind"] == "Ingress")
+    broken = _mutated(ingress, lambda d: d["spec"]["rules"][0]["http"]["paths"][0].__setitem__("pathtype", "Prefix"))
+    assert any("pathtype" in e for e in k8s_errors(broken))
+    no_backend = _mutated(ingress, lambda d: d["spec"]["rules"][0]["http"]["paths"][0].pop("backend"))
+    assert any("backend" in e for e in k8s_errors(no_backend))
+
+
+def test_podmonitor_validator_rejects():
+    pm = next(d for _, d in DOCS if d["kind"] == "PodMonitor")
+    assert podmonitor_errors(pm) == []
+    for change, words in [
+        (lambda d: d["spec"].__setitem__("podMetricEndpoints", []), "podMetricEndpoints"),
+        (lambda d: d["spec"]["podMetricsEndpoints"][0].__setitem__("interval", "15 seconds"), "15 seconds"),
+        (lambda d: d["spec"]["podMetricsEndpoints"][0]["relabelings"][0].__setitem__("action", "rename"), "rename"),
+        (lambda d: d["metadata"].__setitem__("nam", "x"), "nam"),
+    ]:
+        errors = podmonitor_errors(_mutated(pm, change))
+        assert any(words in e for e in errors), errors
+
+
+# -- serveConfigV2 against Ray Serve's own schema and code ---------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_serve_config_validates(name):
+    assert serve_config_errors(RAYSERVICES[name]["spec"]["serveConfigV2"]) == []
+
+
+def _with_serve(doc, change):
+    sc = rules.serve_config(doc)
+    change(sc)
+    return yaml.safe_dump(sc)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda s: s.__setitem__("proxy_locaton", "EveryNode"), "proxy_locaton"),
+    (lambda s: s["applications"][0].__setitem__("import_paht", "x:y"), "import_paht"),
+    (lambda s: s["applications"][0].__setitem__("deployments", [{"name": "SpecServe", "num_replica": 2}]),
+     "num_replica"),
+    (lambda s: s["applications"][0].__setitem__("deployments", [
+        {"name": "SpecServe", "autoscaling_config": {"max_replica": 8}}]), "max_replica"),
+    (lambda s: s["grpc_options"].__setitem__("port", "nine thousand"), "grpc_options.port"),
+    (lambda s: s.__setitem__("proxy_location", "Everywhere"), "proxy_location"),
+])
+def test_serve_schema_rejects(change, words):
+    errors = serve_config_errors(_with_serve(RAYSERVICES["rayservice-production-70b.yaml"], change))
+    assert any(words in e for e in errors), errors
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_serve_app_builds_and_serve_applies_the_deployment_options(name):
+    """The import_path imports, the application builds from the repo's copy of args.config, and Serve's own
+    override of the code's deployment options (what its controller does with serveConfigV2) accepts the
+    manifest's deployments; a deployment name the app lacks is refused the same way."""
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.build_app import build_app
+    from ray.serve._private.deployment_info import DeploymentInfo
+    from ray.serve._private.utils import import_attr
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = RAYSERVICES[name]
+    app_schema = ServeDeploySchema.model_validate(rules.serve_config(doc)).applications[0]
+    builder = import_attr(app_schema.import_path)
+    built = build_app(builder({"config": str(rules.repo_config_path(rules.serve_config(doc)))}),
+                      name=app_schema.name, default_runtime_env={})
+    infos = {d.name: DeploymentInfo(deployment_config=d._deployment_config, replica_config=d._replica_config,
+                                    start_time_ms=0, deployer_job_id="") for d in built.deployments}
+    auto = _cfg(doc).cluster.autoscaling                     # the code's options, from the config file
+    built_cfg = infos["SpecServe"].deployment_config
+    if auto is not None:
+        assert built_cfg.autoscaling_config.max_replicas == auto.max_units
+        assert built_cfg.autoscaling_config.min_replicas == auto.min_units
+    else:
+        assert built_cfg.num_replicas == _cfg(doc).cluster.replicas
+    result = override_deployment_info(infos, app_schema)
+    for dep in rules.serve_config(doc)["applications"][0].get("deployments", []):
+        got = result[dep["name"]].deployment_config
+        if "autoscaling_config" in dep:
+            assert got.num_replicas is None
+            for k, v in dep["autoscaling_config"].items():
+                assert getattr(got.autoscaling_config, k) == v, k
+    unknown = app_schema.model_copy(update={"deployments": [
+        app_schema.deployments[0].model_copy(update={"name": "Nope"}) if app_schema.deployments else
+        type(app_schema).model_fields["deployments"].annotation.__args__[0](name="Nope")]})
+    with pytest.raises(ValueError, match="Nope"):
+        override_deployment_info(infos, unknown)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_serve_config_is_what_specserve_generates(name):
+    """serveConfigV2 is exactly `specserve serve-config --config configs/X --path /app/configs/X`: one deploy
+    description; units, autoscaling and drain time come from the config file (no `deployments` override)."""
+    doc = RAYSERVICES[name]
+    sc = rules.serve_config(doc)
+    assert sc == serve_config(_cfg(doc), sc["applications"][0]["args"]["config"])
+
+
+# -- what the manifests must get right beyond the schemas ----------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_rayservice_rules(name):
+    doc = RAYSERVICES[name]
+    cfg = _cfg(doc)
+    assert rules.serve_problems(doc, cfg) == []
+    assert rules.placement_problems(doc, cfg) == []
+    assert rules.probe_problems(doc, cfg) == []
+    assert rules.node_problems(doc) == []
+    assert rules.capacity_problems(doc, cfg) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_rayservice_has_what_issue_12_asks(name):
+    doc, want = RAYSERVICES[name], EXPECT[name]
+    spec, rc = RAYSERVICES[name]["spec"], RAYSERVICES[name]["spec"]["rayClusterConfig"]
+    assert spec["upgradeStrategy"]["type"] in ("NewCluster", "NewClusterWithIncrementalUpgrade", "None")
+    auto = _cfg(doc).cluster.autoscaling
+    if want["autoscaling"]:
+        assert rc["enableInTreeAutoscaling"] is True and auto is not None
+        serve_max = auto.max_units
+        for g in rc["workerGroupSpecs"]:          # a unit needs one pod of each group
+            assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] and g["maxReplicas"] >= serve_max
+    if want["gcs_ft"]:
+        ft = rc["gcsFaultToleranceOptions"]
+        assert ft["redisAddress"] and "secretKeyRef" in ft["redisPassword"]["valueFrom"]
+    for group, template in ray_pod_templates(doc):
+        c = template["spec"]["containers"][0]
+        if float(c["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0:
+            tol = template["spec"].get("tolerations", [])
+            assert any(t["key"] == "nvidia.com/gpu" for t in tol) and template["spec"].get("nodeSelector"), group
+        elif want["gpu"] is False:
+            assert "nvidia.com/gpu" not in str(template)
+    key = {e["name"]: e for e in rules.ray_container(rules.coordinator_hosts(doc)[0][1])["env"]}["SPECSERVE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"].get("optional", False) is (not want["key_required"])
+
+
+RULE_BREAKAGES = {
+    "HeadOnly proxies": (lambda d: d["spec"].__setitem__("serveConfigV2", d["spec"]["serveConfigV2"].replace(
+        "proxy_location: EveryNode", "proxy_location: HeadOnly")), rules.serve_problems, "proxy_location HeadOnly"),
+    "head with CPUs and no /models": (
+        lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", "8"),
+        rules.placement_problems, "head: may host the coordinator but does not mount /models/"),
+    "worker without the models volume": (lambda d: _container(d).pop("volumeMounts"), rules.placement_problems,
+                                         "does not mount /models/"),
+    "worker without the API key": (lambda d: _container(d).__setitem__("env", _container(d)["env"][:1]),
+                                   rules.placement_problems, "no SPECSERVE_API_KEY"),
+    "liveness on warm-up": (lambda d: _container(d).__setitem__("livenessProbe", _container(d)["readinessProbe"]),
+                            rules.probe_problems, "livenessProbe is not GET /api/healthz"),
+    "readiness on the proxy only": (lambda d: _container(d)["readinessProbe"]["httpGet"].__setitem__("path", "/-/healthz"),
+                                    rules.probe_problems, "readinessProbe is not GET /health"),
+    "head in the serve Service": (lambda d: d["spec"].pop("excludeHeadPodFromServeSvc"), rules.probe_problems,
+                                  "excludeHeadPodFromServeSvc"),
+    "dead threshold field": (lambda d: d["spec"].__setitem__("serviceUnhealthySecondThreshold", 900),
+                             rules.serve_problems, "no longer has any effect"),
+    "gRPC size limit missing": (lambda d: _container(d)["env"].pop(0), rules.node_problems,
+                                "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"),
+    "other Ray version": (lambda d: d["spec"]["rayClusterConfig"].__setitem__("rayVersion", "2.9.0"),
+                          rules.node_problems, "rayVersion 2.9.0"),
+    "drafter pod too small": (lambda d: _worker(d, 1)["template"]["spec"]["containers"][0]["resources"]["limits"]
+                              .__setitem__("nvidia.com/gpu", "1"), rules.capacity_problems, "fits no pod"),
+}
+
+
+@pytest.mark.parametrize("breakage", RULE_BREAKAGES)
+def test_rules_reject(breakage):
+    change, check, words = RULE_BREAKAGES[breakage]
+    doc = _mutated(RAYSERVICES["rayservice-production-70b.yaml"], change)
+    args = (doc,) if check is rules.node_problems else (doc, _cfg(doc))
+    problems = check(*args)
+    assert any(words in p for p in problems), problems
+
+
+# -- the objects around the RayServices ------------------------------------------------------------------------
+def test_podmonitor_selects_every_ray_pod_and_port():
+    pm = next(d for _, d in DOCS if d["kind"] == "PodMonitor")
+    want = pm["spec"]["selector"]["matchLabels"]
+    ports = {e["port"] for e in pm["spec"]["podMetricsEndpoints"]}
+    assert "metrics" in ports
+    for name, doc in RAYSERVICES.items():
+        for group, template in ray_pod_templates(doc):
+            labels = {**template.get("metadata", {}).get("labels", {}), "ray.io/is-ray-node": "yes"}  # KubeRay's
+            assert all(labels.get(k) == v for k, v in want.items()), (name, group)
+            assert "app.kubernetes.io/name" not in labels      # KubeRay sets it to kuberay on Ray pods
+
+
+def test_ingress_backends_name_a_serve_service_and_port():
+    services = {d["spec"]["serveService"]["metadata"]["name"]: d["spec"]["serveService"]["spec"]["ports"]
+                for d in RAYSERVICES.values()}
+    for _, ing in [x for x in DOCS if x[1]["kind"] == "Ingress"]:
+        assert ing["spec"]["tls"], "TLS ends at the ingress"
+        for rule in ing["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                svc = path["backend"]["service"]
+                assert svc["name"] in services
+                assert svc["port"]["name"] in {p["name"] for p in services[svc["name"]]}

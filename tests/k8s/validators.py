@@ -1,0 +1,269 @@
+"""Validators for the manifests in k8s/ (used by tests/k8s/test_manifests.py).
+
+* KubeRay objects: the ``openAPIV3Schema`` of the served version of the KubeRay CRDs copied to
+  tests/k8s/crds/, made strict the way the API server's strict field validation (kubectl's default) is:
+  an object schema that lists ``properties`` and has neither ``additionalProperties`` nor
+  ``x-kubernetes-preserve-unknown-fields`` rejects other fields. That includes the embedded
+  PodTemplateSpec, whose ``metadata`` the CRD limits to labels, annotations, name, namespace and
+  finalizers. ``x-kubernetes-list-type: map`` / ``set`` lists are checked for duplicate keys / items.
+  CEL rules (``x-kubernetes-validations``) are not evaluated.
+* Kubernetes core objects (and the pod templates, Service and metadata inside a RayService): the
+  Kubernetes JSON schemas shipped by the ``kubernetes-validate`` package, strict variant.
+* PodMonitor: a hand-written strict schema of the fields our manifest uses (the Prometheus Operator's CRD
+  is not available here), plus ObjectMeta and LabelSelector from the Kubernetes schemas.
+* ``serveConfigV2``: Ray Serve's own pydantic models (``ServeDeploySchema``), plus a walk over the same
+  models that rejects keys they do not declare (Ray's models ignore unknown keys silently).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import typing
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+# Kubernetes versions the core objects are checked against: an older one still in wide use, and the newest
+# the installed kubernetes-validate ships.
+K8S_VERSIONS = ("1.29", "latest")
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_docs(path: Path) -> list[dict]:
+    """Every non-empty document of a (multi-document) YAML file."""
+    return [d for d in yaml.load_all(Path(path).read_text(), Loader=_Loader) if d is not None]
+
+
+# -- KubeRay CRDs --------------------------------------------------------------------------------------
+def strictify(schema: dict) -> dict:
+    """A copy of an openAPIV3Schema in which every object schema with ``properties`` but no
+    ``additionalProperties`` / ``x-kubernetes-preserve-unknown-fields`` rejects unknown fields."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(schema)
+    return schema
+
+
+def _list_map_keys(validator, keys, instance, schema):
+    """``x-kubernetes-list-type: map``: no two items with the same key tuple (a missing key takes the
+    default its schema declares, e.g. ports' protocol TCP)."""
+    if schema.get("x-kubernetes-list-type") != "map" or not validator.is_type(instance, "array"):
+        return
+    props = schema.get("items", {}).get("properties", {})
+    seen = {}
+    for i, item in enumerate(instance):
+        if not isinstance(item, dict):
+            continue
+        key = tuple(item.get(k, props.get(k, {}).get("default")) for k in keys)
+        if key in seen:
+            yield jsonschema.ValidationError(
+                f"duplicate entries for map key {dict(zip(keys, key))} (items {seen[key]} and {i})")
+        seen.setdefault(key, i)
+
+
+def _list_type(validator, list_type, instance, schema):
+    if list_type == "set" and validator.is_type(instance, "array"):
+        seen = []
+        for item in instance:
+            if item in seen:
+                yield jsonschema.ValidationError(f"duplicate entry {item!r} in a set")
+            seen.append(item)
+
+
+_KubeValidator = jsonschema.validators.extend(
+    jsonschema.Draft7Validator,
+    {"x-kubernetes-list-map-keys": _list_map_keys, "x-kubernetes-list-type": _list_type})
+
+
+@functools.lru_cache(maxsize=None)
+def crd_validator(kind: str, version: str):
+    """The strict validator of ``kind`` (RayService / RayCluster) at API ``version`` (e.g. v1), from the
+    CRD's served version of that name."""
+    crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=_Loader)
+    assert crd["spec"]["names"]["kind"] == kind
+    served = [v for v in crd["spec"]["versions"] if v["name"] == version and v.get("served")]
+    if not served:
+        raise ValueError(f"{kind} {version} is not a served version of its CRD")
+    schema = strictify(served[0]["schema"]["openAPIV3Schema"])
+    _KubeValidator.check_schema(schema)
+    return _KubeValidator(schema)
+
+
+def crd_errors(doc: dict) -> list[str]:
+    """Schema errors of a KubeRay object (empty when valid), each with its path."""
+    group, _, version = doc.get("apiVersion", "").partition("/")
+    if group != "ray.io":
+        return [f"apiVersion {doc.get('apiVersion')!r} is not ray.io/..."]
+    v = crd_validator(doc["kind"], version)
+    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in sorted(v.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+# -- Kubernetes core objects -----------------------------------------------------------------------------
+def k8s_errors(obj: dict, where: str = "") -> list[str]:
+    """Errors of a Kubernetes object against kubernetes-validate's strict schemas, for every version in
+    K8S_VERSIONS."""
+    import pytest
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (a dev extra: pip install -e '.[dev]') is not installed")
+    from kubernetes_validate.utils import latest_version
+    errors = []
+    for version in K8S_VERSIONS:
+        version = latest_version() if version == "latest" else version
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(map(str, e.absolute_path)) or "<root>"
+            errors.append(f"{where}{path} (Kubernetes {version}): {e.message}")
+    return errors
+
+
+def as_object_meta(metadata: dict) -> dict:
+    """Wrap ObjectMeta in a ConfigMap so the Kubernetes schema checks it."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata}
+
+
+def as_pod_template(template: dict, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template}
+
+
+def as_service(service: dict, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": service.get("metadata") or {"name": name},
+            "spec": service.get("spec", {})}
+
+
+def ray_pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(group name, pod template) of the head and every worker group of a RayService / RayCluster."""
+    rc = doc["spec"]["rayClusterConfig"] if doc["kind"] == "RayService" else doc["spec"]
+    out = [("head", rc["headGroupSpec"]["template"])]
+    out += [(g["groupName"], g["template"]) for g in rc.get("workerGroupSpecs", [])]
+    return out
+
+
+def rayservice_core_errors(doc: dict) -> list[str]:
+    """The Kubernetes objects embedded in a RayService, each against the Kubernetes schemas."""
+    errors = k8s_errors(as_object_meta(doc["metadata"]), "metadata: ")
+    for group, template in ray_pod_templates(doc):
+        errors += k8s_errors(as_pod_template(template, f"{doc['metadata']['name']}-{group}"),
+                             f"{group} pod template: ")
+    if "serveService" in doc["spec"]:
+        errors += k8s_errors(as_service(doc["spec"]["serveService"], doc["metadata"]["name"] + "-serve"),
+                             "serveService: ")
+    return errors
+
+
+# -- PodMonitor (monitoring.coreos.com/v1) ---------------------------------------------------------------
+def _obj(props: dict, required=()) -> dict:
+    return {"type": "object", "properties": props, "additionalProperties": False, "required": list(required)}
+
+
+_STR, _STRS = {"type": "string"}, {"type": "array", "items": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+                                          r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_RELABEL = _obj({"sourceLabels": _STRS, "separator": _STR, "targetLabel": _STR, "regex": _STR,
+                 "modulus": {"type": "integer"}, "replacement": _STR,
+                 "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod",
+                                     "labelmap", "LabelMap", "labeldrop", "LabelDrop", "labelkeep", "LabelKeep",
+                                     "lowercase", "Lowercase", "uppercase", "Uppercase", "keepequal",
+                                     "KeepEqual", "dropequal", "DropEqual"]}})
+_LABEL_SELECTOR = _obj({"matchLabels": {"type": "object", "additionalProperties": _STR},
+                        "matchExpressions": {"type": "array", "items": _obj(
+                            {"key": _STR, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                             "values": _STRS}, ["key", "operator"])}})
+PODMONITOR_SCHEMA = _obj({
+    "apiVersion": {"const": "monitoring.coreos.com/v1"},
+    "kind": {"const": "PodMonitor"},
+    "metadata": {"type": "object"},          # checked as ObjectMeta by the Kubernetes schema
+    "spec": _obj({
+        "jobLabel": _STR,
+        "podTargetLabels": _STRS,
+        "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": _STRS}),
+        "selector": _LABEL_SELECTOR,
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _obj({
+            "port": _STR, "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+            "path": {"type": "string", "pattern": "^/"}, "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+            "interval": _DURATION, "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"},
+            "relabelings": {"type": "array", "items": _RELABEL},
+            "metricRelabelings": {"type": "array", "items": _RELABEL}})},
+    }, ["selector", "podMetricsEndpoints"]),
+}, ["apiVersion", "kind", "metadata", "spec"])
+
+
+def podmonitor_errors(doc: dict) -> list[str]:
+    v = jsonschema.Draft7Validator(PODMONITOR_SCHEMA)
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in v.iter_errors(doc)]
+    return errors + k8s_errors(as_object_meta(doc.get("metadata", {})), "metadata: ")
+
+
+# -- dispatch -----------------------------------------------------------------------------------------------
+def manifest_errors(doc: dict) -> list[str]:
+    """All schema errors of one manifest document, whatever its kind."""
+    kind = doc.get("kind")
+    if kind in CRD_FILES:
+        errors = crd_errors(doc)
+        if not errors and kind == "RayService":
+            errors = rayservice_core_errors(doc)
+        return errors
+    if kind == "PodMonitor":
+        return podmonitor_errors(doc)
+    return k8s_errors(doc, f"{kind}/{doc.get('metadata', {}).get('name')}: ")
+
+
+# -- Ray Serve's config schema --------------------------------------------------------------------------------
+def _model_types(annotation) -> list:
+    """The pydantic model classes an annotation admits (through Optional / Union / List / Annotated)."""
+    from pydantic import BaseModel
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _model_types(arg)]
+
+
+def unknown_serve_keys(model, data, path: str = "") -> list[str]:
+    """Keys of ``data`` that the pydantic ``model`` (and the models of its fields, recursively) does not
+    declare: Ray's Serve schema models accept and drop them, so a typo would pass unnoticed."""
+    if not isinstance(data, dict):
+        return []
+    fields = model.model_fields
+    names = {n: n for n in fields} | {f.alias: n for n, f in fields.items() if f.alias}
+    out = []
+    for key, value in data.items():
+        if key not in names:
+            out.append(f"{path}{key}: not a field of {model.__name__}")
+            continue
+        for sub in _model_types(fields[names[key]].annotation)[:1]:
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                where = f"{path}{key}[{i}]." if isinstance(value, list) else f"{path}{key}."
+                out += unknown_serve_keys(sub, item, where)
+    return out
+
+
+def serve_config_errors(text: str) -> list[str]:
+    """Errors of a ``serveConfigV2`` string against Ray Serve's ``ServeDeploySchema`` (strict keys)."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return [f"serveConfigV2 is not YAML: {e}"]
+    errors = unknown_serve_keys(ServeDeploySchema, data)
+    try:
+        ServeDeploySchema.model_validate(data)
+    except ValidationError as e:
+        errors += [f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+    return errors
