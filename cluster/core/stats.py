@@ -19,6 +19,8 @@ class RequestStats:
     accepted_per_pos: list[int] = field(default_factory=list) # [i] = steps that accepted position i+1
     wall_s: float = 0.0
     ttft_s: float = 0.0
+    deferral_checks: int = 0                             # cascades: positions a deferral rule decided
+    deferrals: float = 0.0                               # ... and deferred to the target (expected, token rules)
 
     # -- recording -------------------------------------------------------------------------------
     def forward(self, model: str, n: int = 1, *, target: bool = False) -> None:
@@ -39,10 +41,16 @@ class RequestStats:
         for i in range(accepted):
             _bump(self.accepted_per_pos, i)
 
+    def deferral(self, checks: int, deferred: float) -> None:
+        """Record a cascade rule's decision over ``checks`` positions, ``deferred`` of them (in expectation
+        for token-level rules) deferred to the target."""
+        self.deferral_checks += checks
+        self.deferrals += deferred
+
     def merge(self, other: "RequestStats") -> None:
         """Add ``other``'s counts into this one (for aggregate benchmark rows)."""
         for name in ("prompt_tokens", "generated_tokens", "steps", "target_forwards", "drafted_tokens",
-                     "accepted_tokens", "wall_s", "ttft_s"):
+                     "accepted_tokens", "wall_s", "ttft_s", "deferral_checks", "deferrals"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.drafter_forwards.items():
             self.drafter_forwards[k] = self.drafter_forwards.get(k, 0) + v

@@ -94,6 +94,8 @@ class Coordinator:
                 self.engine.step()
             except Exception:                    # noqa: BLE001 - the loop must survive; requests failed inside
                 log.exception("engine step failed")
+            if self.metrics is not None:         # the running / waiting gauges (never raises)
+                self.metrics.set_load(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
 
     def _notify(self) -> None:
         with self._wake:
@@ -164,7 +166,8 @@ class Coordinator:
         self.recent.append((seq.rid, seq.req.strategy_name, outcome, len(seq.generated)))
         if self.metrics is not None:
             try:
-                self.metrics.record(seq.req.strategy_name, outcome, seq.result, time.perf_counter() - admitted)
+                self.metrics.record(seq.req.strategy_name, outcome, seq.result, time.perf_counter() - admitted,
+                                    error=seq.error)          # marked: the fronts do not count it again
             except Exception:                    # metrics never fail a request
                 log.exception("metrics")
 

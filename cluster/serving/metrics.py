@@ -1,32 +1,58 @@
-"""Serving metrics through Ray's metrics API (exported by Ray's Prometheus endpoint).
+"""Serving metrics through Ray Serve's metrics API, exported by Ray's Prometheus endpoint on every node.
 
-Speculative-decoding counters are named as vLLM's (``vllm:spec_decode_*``, without the prefix):
-drafts (verification steps), drafted tokens, accepted tokens, and accepted tokens per draft position;
-plus requests by outcome and latency histograms (time to first token, time per output token,
-end-to-end).  Every series is labelled by strategy.
+Names are vLLM's with ``vllm:`` written ``vllm_`` -- the names vLLM's own Ray metric wrappers register, so
+that Ray exports exactly the series Ray Serve LLM's Grafana dashboard queries.  Ray prefixes every name with
+``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
+``ray_vllm_spec_decode_num_drafts_total``.  (A ``:`` in a Ray metric name is deprecated and the series is
+dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name.
 
-Labels only ever take validated values (a registered strategy name, else ``invalid``; a known outcome),
-so a client cannot create series or break the exporter with a name of its choosing; and recording never
-raises into a request.
+Labels: ``model_name`` (the served model id, as vLLM labels it) and ``strategy`` on every per-request series,
+plus ``position`` / ``finished_reason`` / ``outcome`` where named; inside a Serve replica Ray Serve adds
+``deployment``, ``replica`` and ``application``, and Ray adds ``WorkerId``, ``NodeAddress``, ``SessionName``.
+Label values are only ever validated ones (a registered strategy, else ``invalid``; a known outcome), so a
+client cannot create series; recording never raises into a request.
+
+Counting: the coordinator counts every request it admitted when it ends (:meth:`Metrics.record` with the
+sequence's error, which it marks); the gRPC and HTTP fronts count what they refuse before or at admission
+(:func:`refusal_outcome` says which outcome, and None for an error the coordinator already counted).
 """
 from __future__ import annotations
 
 import logging
 
-from cluster.errors import shown
+from cluster.errors import (
+    DeadlineExceededError,
+    ModelUnavailableError,
+    OverloadedError,
+    ParamError,
+    shown,
+)
+from cluster.serving.auth import Unauthenticated
 from cluster.strategies import REGISTRY
 
-LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
-
-
-TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
-
-
-OUTCOMES = ("ok", "cancelled", "invalid", "overloaded", "unauthenticated", "error", "deadline")
-
-
+LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+TOKEN_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+OUTCOMES = ("ok", "cancelled", "invalid", "not_found", "overloaded", "unauthenticated", "unavailable",
+            "deadline", "error")
 INVALID_LABEL = "invalid"
+COUNTED = "_specserve_counted"            # set on an error the coordinator has counted
 
+# the series as Prometheus scrapes them (histograms also as _bucket / _sum / _count)
+EXPORTED = {
+    "ray_vllm_spec_decode_num_drafts_total": "counter", "ray_vllm_spec_decode_num_draft_tokens_total": "counter",
+    "ray_vllm_spec_decode_num_accepted_tokens_total": "counter",
+    "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total": "counter",
+    "ray_vllm_prompt_tokens_total": "counter", "ray_vllm_generation_tokens_total": "counter",
+    "ray_vllm_request_success_total": "counter",
+    "ray_vllm_num_requests_running": "gauge", "ray_vllm_num_requests_waiting": "gauge",
+    "ray_vllm_time_to_first_token_seconds": "histogram", "ray_vllm_time_per_output_token_seconds": "histogram",
+    "ray_vllm_request_time_per_output_token_seconds": "histogram",
+    "ray_vllm_e2e_request_latency_seconds": "histogram", "ray_vllm_request_prompt_tokens": "histogram",
+    "ray_vllm_request_generation_tokens": "histogram",
+    "ray_specserve_requests_total": "counter", "ray_specserve_cascade_deferrals_total": "counter",
+    "ray_specserve_cascade_deferral_checks_total": "counter",
+}
 
 log = logging.getLogger("specserve.metrics")
 
@@ -36,63 +62,120 @@ def strategy_label(strategy) -> str:
     return strategy if isinstance(strategy, str) and strategy in REGISTRY else INVALID_LABEL
 
 
-class Metrics:
-    def __init__(self):
-        from ray.util.metrics import Counter, Histogram
-        s = ("strategy",)
-        self.drafts = Counter("spec_decode_num_drafts_total", "verification steps", tag_keys=s)
-        self.draft_tokens = Counter("spec_decode_num_draft_tokens_total", "drafted tokens", tag_keys=s)
-        self.accepted = Counter("spec_decode_num_accepted_tokens_total", "accepted draft tokens", tag_keys=s)
-        self.accepted_pos = Counter("spec_decode_num_accepted_tokens_per_pos_total",
-                                    "accepted draft tokens by draft position (0-based)",
-                                    tag_keys=("strategy", "position"))
-        self.requests = Counter("specserve_requests_total", "requests by outcome", tag_keys=("strategy", "outcome"))
-        self.generated = Counter("specserve_generation_tokens_total", "generated tokens", tag_keys=s)
-        self.ttft = Histogram("specserve_time_to_first_token_seconds", "time to first token",
-                              boundaries=LATENCY_BOUNDS, tag_keys=s)
-        self.tpot = Histogram("specserve_time_per_output_token_seconds", "time per output token after the first",
-                              boundaries=TPOT_BOUNDS, tag_keys=s)
-        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "end-to-end request latency",
-                             boundaries=LATENCY_BOUNDS, tag_keys=s)
+def finished_reason(reason: str | None) -> str:
+    """vLLM's ``finished_reason`` label: ``stop`` (EOS or a stop string), ``length``, else ``abort``."""
+    return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason or "", "abort")
 
-    def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None) -> None:
-        """Count one finished request; ``result`` (a GenerationResult) for completed ones.  Never raises."""
+
+def refusal_outcome(exc: BaseException) -> str | None:
+    """The outcome a front end counts for ``exc`` (raised before a response), or None when the coordinator
+    already counted the request (an error of an admitted request, marked by :meth:`Metrics.record`)."""
+    if getattr(exc, COUNTED, False):
+        return None
+    for kind, outcome in ((Unauthenticated, "unauthenticated"), (ParamError, "invalid"),
+                          (OverloadedError, "overloaded"), (ModelUnavailableError, "unavailable"),
+                          (DeadlineExceededError, "deadline")):
+        if isinstance(exc, kind):
+            return outcome
+    return "error"
+
+
+class Metrics:
+    def __init__(self, model_name: str = "specserve"):
+        # Ray Serve's metrics add the deployment, replica and application tags inside a replica
+        from ray.serve.metrics import Counter, Gauge, Histogram
+        self.model_name = model_name
+        s = ("model_name", "strategy")
+
+        def counter(name, doc, *extra):
+            return Counter(name, doc, tag_keys=s + extra)
+
+        def histogram(name, doc, bounds):
+            return Histogram(name, doc, boundaries=bounds, tag_keys=s)
+        self.drafts = counter("vllm_spec_decode_num_drafts", "verification steps (target passes over drafts)")
+        self.draft_tokens = counter("vllm_spec_decode_num_draft_tokens", "drafted tokens")
+        self.accepted = counter("vllm_spec_decode_num_accepted_tokens", "accepted draft tokens")
+        self.accepted_pos = counter("vllm_spec_decode_num_accepted_tokens_per_pos",
+                                    "accepted draft tokens by draft position (0-based)", "position")
+        self.prompt_tokens = counter("vllm_prompt_tokens", "prompt tokens of completed requests")
+        self.generated = counter("vllm_generation_tokens", "generated tokens of completed requests")
+        self.success = counter("vllm_request_success", "finished requests by vLLM finish reason", "finished_reason")
+        self.requests = counter("specserve_requests", "requests by outcome, refused ones included", "outcome")
+        self.deferrals = counter("specserve_cascade_deferrals", "cascade positions deferred to the target "
+                                 "(expected value for token-level rules)")
+        self.deferral_checks = counter("specserve_cascade_deferral_checks", "cascade positions a rule decided")
+        self.running = Gauge("vllm_num_requests_running", "requests in the running batch", tag_keys=("model_name",))
+        self.waiting = Gauge("vllm_num_requests_waiting", "requests waiting for the batch", tag_keys=("model_name",))
+        self.ttft = histogram("vllm_time_to_first_token_seconds", "time to first token", LATENCY_BOUNDS)
+        self.tpot = histogram("vllm_time_per_output_token_seconds", "time per output token after the first "
+                              "(vLLM's dashboard name)", TPOT_BOUNDS)
+        self.req_tpot = histogram("vllm_request_time_per_output_token_seconds", "time per output token after "
+                                  "the first (Ray Serve LLM's dashboard name)", TPOT_BOUNDS)
+        self.e2e = histogram("vllm_e2e_request_latency_seconds", "end-to-end request latency", LATENCY_BOUNDS)
+        self.req_prompt = histogram("vllm_request_prompt_tokens", "prompt tokens per request", TOKEN_BOUNDS)
+        self.req_generated = histogram("vllm_request_generation_tokens", "generated tokens per request",
+                                       TOKEN_BOUNDS)
+        self._load: tuple[int, int] | None = None
+
+    def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None,
+               error: BaseException | None = None) -> None:
+        """Count one request; ``result`` (a GenerationResult) for completed ones; ``error``: the error an
+        admitted request ended with, marked as counted for the fronts.  Never raises."""
         try:
+            if error is not None:
+                setattr(error, COUNTED, True)
             self._record(strategy_label(strategy), outcome if outcome in OUTCOMES else "error", result, e2e_s)
         except Exception as e:             # noqa: BLE001 - metrics never fail a request
             log.warning("metrics not recorded: %s", shown(e, 200))
 
+    def set_load(self, running: int, waiting: int) -> None:
+        """The unit's running and waiting request counts (after each engine step).  Never raises."""
+        if self._load == (running, waiting):
+            return
+        try:
+            tags = {"model_name": self.model_name}
+            self.running.set(running, tags)
+            self.waiting.set(waiting, tags)
+            self._load = (running, waiting)
+        except Exception as e:             # noqa: BLE001
+            log.warning("load not recorded: %s", shown(e, 200))
+
     def _record(self, strategy: str, outcome: str, result, e2e_s: float | None) -> None:
-        tags = {"strategy": strategy}
+        tags = {"model_name": self.model_name, "strategy": strategy}
         self.requests.inc(1, {**tags, "outcome": outcome})
+        if outcome == "cancelled":
+            self.success.inc(1, {**tags, "finished_reason": "abort"})
         if result is None:
             return
         st = result.stats
-        if st.steps:
-            self.drafts.inc(st.steps, tags)
-        if st.drafted_tokens:
-            self.draft_tokens.inc(st.drafted_tokens, tags)
-        if st.accepted_tokens:
-            self.accepted.inc(st.accepted_tokens, tags)
+        self.success.inc(1, {**tags, "finished_reason": finished_reason(result.finish_reason)})
+        for counter, n in ((self.drafts, st.steps), (self.draft_tokens, st.drafted_tokens),
+                           (self.accepted, st.accepted_tokens), (self.prompt_tokens, st.prompt_tokens),
+                           (self.generated, st.generated_tokens), (self.deferrals, st.deferrals),
+                           (self.deferral_checks, st.deferral_checks)):
+            if n:
+                counter.inc(n, tags)
         for pos, n in enumerate(st.accepted_per_pos):
             if n:
                 self.accepted_pos.inc(n, {**tags, "position": str(pos)})
-        if st.generated_tokens:
-            self.generated.inc(st.generated_tokens, tags)
+        self.req_prompt.observe(st.prompt_tokens, tags)
+        self.req_generated.observe(st.generated_tokens, tags)
         if st.ttft_s:
             self.ttft.observe(st.ttft_s, tags)
         if st.generated_tokens > 1:
-            self.tpot.observe(max(0.0, st.wall_s - st.ttft_s) / (st.generated_tokens - 1), tags)
+            tpot = max(0.0, st.wall_s - st.ttft_s) / (st.generated_tokens - 1)
+            self.tpot.observe(tpot, tags)
+            self.req_tpot.observe(tpot, tags)
         if e2e_s is not None:
             self.e2e.observe(e2e_s, tags)
 
 
-def make_metrics() -> Metrics | None:
+def make_metrics(model_name: str = "specserve") -> Metrics | None:
     """Metrics when running inside Ray, else None (the coordinator then records nothing)."""
     try:
         import ray
         if not ray.is_initialized():
             return None
-        return Metrics()
+        return Metrics(model_name)
     except Exception:       # noqa: BLE001 - metrics are optional
         return None

@@ -17,11 +17,14 @@ sampled.
 """
 from __future__ import annotations
 
+import torch
+
 from cluster.core.cascade_targets import (
     ALPHA_RANGE,
     RULES,
     cascade_target,
     defer_chow,
+    deferral_rate,
     lossy_target,
 )
 from cluster.core.sampling import UNSCALED, logits_to_probs, sample
@@ -86,8 +89,17 @@ class SpecCascade(_Cascade):
         self.k, self.rule = opts["k"], opts["rule"]
 
     def step(self, ctx: StepContext):
-        fn = lambda q, p, q_raw, p_raw: cascade_target(q, p, self.rule, self.alpha, q_raw, p_raw)
+        def fn(q, p, q_raw, p_raw):
+            _record_deferrals(ctx, q, p, q_raw, p_raw, self.rule, self.alpha)
+            return cascade_target(q, p, self.rule, self.alpha, q_raw, p_raw)
         return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn)
+
+
+def _record_deferrals(ctx: StepContext, q, p, q_raw, p_raw, rule: str, alpha: float) -> None:
+    """Statistics only: how many of the ``[n, V]`` positions ``rule`` defers to the target."""
+    q, p = q.to(torch.float64), p.to(torch.float64)
+    deferred = deferral_rate(q_raw.to(torch.float64), p_raw.to(torch.float64), q, rule, alpha, p)
+    ctx.stats.deferral(q.shape[0], float(deferred.sum()))
 
 
 @register
@@ -119,7 +131,9 @@ class TokenCascade(_Cascade):
         while len(kept) < min(ctx.budget, MAX_RUN):
             toks, q_logits = yield Propose(self.drafter, 1)                    # [1], [1, V]
             ctx.stats.forward(self.drafter, 1)
-            if not bool(defer_chow(logits_to_probs(q_logits[0], UNSCALED), None, self.alpha)):
+            defer = bool(defer_chow(logits_to_probs(q_logits[0], UNSCALED), None, self.alpha))
+            ctx.stats.deferral(1, float(defer))
+            if not defer:
                 kept += toks                                                   # keep q's sample
                 continue
             # defer: drop the drafter's token; one target pass over the kept run gives p here
@@ -144,8 +158,10 @@ class OracleCascade(_Cascade):
         ctx.stats.forward(self.drafter, 1)
         p_logits = yield Score(self.target_name, ())                           # [1, V]
         ctx.stats.forward(self.target_name, target=True)
-        pi = cascade_target(ctx.probs(q_logits), ctx.probs(p_logits), self.opts["rule"], self.alpha,
-                            logits_to_probs(q_logits, UNSCALED), logits_to_probs(p_logits, UNSCALED))
+        q, p = ctx.probs(q_logits), ctx.probs(p_logits)
+        q_raw, p_raw = logits_to_probs(q_logits, UNSCALED), logits_to_probs(p_logits, UNSCALED)
+        _record_deferrals(ctx, q, p, q_raw, p_raw, self.opts["rule"], self.alpha)
+        pi = cascade_target(q, p, self.opts["rule"], self.alpha, q_raw, p_raw)
         tok = sample(pi[0], ctx.rng)
         ctx.commit([target, drafter], 0, [tok])
         return [tok]

@@ -212,15 +212,12 @@ def test_server_info_request_ids_only_for_operator(dep):
     assert list(_run(dep.ServerInfo(pb.ServerInfoRequest(), FakeContext())).live_requests) == ["live-request"]
 
 
-def _http(path, *, key=None, method="GET", body=b""):
-    from starlette.requests import Request
-    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b"",
-             "scheme": "http", "server": ("test", 80), "root_path": ""}
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-    return Request(scope, receive)
+def _http(dep, path, *, key=None, method="GET", body=b""):
+    """One request through the replica's FastAPI app (cluster/serving/http_app.py), in-process."""
+    from cluster.serving.http_app import build_http_app
+    from tests.support.asgi import call
+    return call(build_http_app(dep), method, path, body=body,
+                headers={"authorization": f"Bearer {key}"} if key else None)
 
 
 _COMPLETION = json.dumps({"prompt": "def", "max_tokens": 4}).encode()
@@ -229,21 +226,21 @@ _COMPLETION = json.dumps({"prompt": "def", "max_tokens": 4}).encode()
 def test_http_401_without_key_health_exempt(dep):
     for key in (None, "wrong"):
         for path, method in (("/v1/models", "GET"), ("/v1/completions", "POST"), ("/nope", "GET")):
-            r = _run(dep(_http(path, key=key, method=method, body=_COMPLETION)))
-            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            r = _http(dep, path, key=key, method=method, body=_COMPLETION)
+            assert r.status == 401 and r.headers["www-authenticate"] == "Bearer"
             assert API.encode() not in r.body and b"API key" in r.body
     assert set(dep.coord.metrics.records) == {"unauthenticated"}
-    assert _run(dep(_http("/health"))).status_code == 200
-    assert _run(dep(_http("/v1/models", key=API))).status_code == 200
+    assert _http(dep, "/health").status == 200
+    assert _http(dep, "/v1/models", key=API).status == 200
 
 
 def test_http_retry_after_on_429_and_503(dep):
     dep.coord.fail_with = OverloadedError("queue full")
-    r = _run(dep(_http("/v1/completions", key=API, method="POST", body=_COMPLETION)))
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    r = _http(dep, "/v1/completions", key=API, method="POST", body=_COMPLETION)
+    assert r.status == 429 and r.headers["retry-after"] == "1"
     dep.coord.fail_with = ModelUnavailableError("target")
-    r = _run(dep(_http("/v1/completions", key=API, method="POST", body=_COMPLETION)))
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    r = _http(dep, "/v1/completions", key=API, method="POST", body=_COMPLETION)
+    assert r.status == 503 and r.headers["retry-after"] == "1"
     dep.coord.ready = False
-    r = _run(dep(_http("/health")))
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    r = _http(dep, "/health")
+    assert r.status == 503 and r.headers["retry-after"] == "1"

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app that Ray Serve's ASGI ingress serves from each replica.
+
+:class:`cluster.serving.app.SpecServeDeployment` builds it per replica (``__serve_build_asgi_app__``, the
+late-bound form of ``serve.ingress``), so the routes close over the replica's coordinator.  Routes:
+
+* ``GET /health``: 200 ``{"ready": true}`` once the unit is warm and its target answers, else 503 with
+  ``Retry-After``; exempt from the API key (probes, load balancers).
+* ``GET /v1/models``: the served model id (``cluster.app_name``).
+* ``POST /v1/completions``: :class:`cluster.serving.http_api.CompletionRequest`; ``"stream": true`` answers
+  with server-sent events (one ``data:`` completion chunk per engine step, then ``data: [DONE]``).
+
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 names the parameter, the
+allowed range and the value; 401 without a valid key; 404 for an unknown ``model`` or route; 429 (queue
+full) and 503 (a model down, not warm) with ``Retry-After: 1``; 504 past the request deadline; a 500 carries
+no internals (the traceback stays in the server log).  Every refusal is counted in
+``specserve_requests{outcome}``.
+"""
+# no ``from __future__ import annotations``: FastAPI reads the routes' annotations (Request) at run time
+
+import asyncio
+import json
+import logging
+import time
+
+from cluster.errors import (
+    DeadlineExceededError,
+    ModelUnavailableError,
+    OverloadedError,
+    ParamError,
+    shown,
+)
+from cluster.serving.auth import Unauthenticated, bearer_token
+from cluster.serving.http_api import (
+    UnknownModel,
+    completion,
+    model_list,
+    oai_error,
+    parse_body,
+    read_body,
+    request_from_openai,
+)
+from cluster.serving.metrics import refusal_outcome, strategy_label
+
+log = logging.getLogger("specserve.http")
+RETRY_AFTER = {"Retry-After": "1"}        # seconds; on HTTP 429 (overloaded) and 503 (unavailable / not ready)
+ERRORS = ((ParamError, 400, "invalid_request_error"), (UnknownModel, 404, "not_found_error"),
+          (OverloadedError, 429, "server_overloaded"), (ModelUnavailableError, 503, "service_unavailable"),
+          (DeadlineExceededError, 504, "timeout"))
+INTERNAL = "internal error (details in the server log)"
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None):
+    """JSON with non-ASCII escaped, so any text (a lone surrogate echoed in an error included) encodes."""
+    from starlette.responses import Response
+    return Response(json.dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def build_http_app(dep):
+    """The FastAPI app of one replica ``dep`` (its ``cfg``, ``keys`` and ``coord`` are read per request)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BearerAuth, dep=dep)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        if dep.coord.ready:
+            return json_response({"ready": True})
+        return json_response({"ready": False}, 503, RETRY_AFTER)
+
+    @app.get("/v1/models")
+    async def models():
+        return json_response(model_list(dep.cfg.cluster.app_name, created))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        strategy = None
+        try:
+            body = parse_body(await read_body(request))         # size and nesting checked before parsing
+            strategy = body.get("strategy") if isinstance(body, dict) else None
+            req, stream = request_from_openai(body, dep.cfg)
+            req = dep.coord.validate(req)                          # fixes request id and seed for every chunk
+            if stream:
+                return await _sse(dep, req)
+            r = await dep.coord.generate(req)
+            return json_response(completion(dep.cfg.cluster.app_name, r, r.text, r.finish_reason, usage=True))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                                     # noqa: BLE001 - mapped to a status
+            return refused(dep, e, strategy)
+
+    @app.exception_handler(HTTPException)                         # no such route (404), wrong method (405)
+    async def http_error(request: Request, exc: HTTPException):
+        what = f"no route {shown(request.url.path)}" if exc.status_code == 404 else \
+            f"{request.method} is not allowed on {shown(request.url.path)}"
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return json_response(oai_error(what, kind, None, exc.status_code), exc.status_code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return json_response(oai_error(f"invalid request: {shown(exc.errors(), 300)}", "invalid_request_error",
+                                       "body", 400), 400)
+
+    return app
+
+
+def refused(dep, exc: BaseException, strategy) -> object:
+    """The error response for ``exc``; counts the refusal unless the coordinator already counted it."""
+    status, kind = next(((s, k) for t, s, k in ERRORS if isinstance(exc, t)), (500, "internal_error"))
+    if status == 500:
+        log.error("internal error", exc_info=exc)
+    elif status in (400, 404, 429):
+        log.info("refused (%d): %s", status, exc)                   # one line per refused request
+    outcome = "not_found" if isinstance(exc, UnknownModel) else refusal_outcome(exc)
+    if outcome is not None and dep.coord.metrics is not None:
+        dep.coord.metrics.record(strategy_label(strategy or dep.cfg.engine.strategy), outcome)
+    param = exc.name if isinstance(exc, ParamError) else "model" if isinstance(exc, UnknownModel) else None
+    return json_response(oai_error(INTERNAL if status == 500 else str(exc), kind, param, status), status,
+                         RETRY_AFTER if status in (429, 503) else None)
+
+
+async def _sse(dep, req):
+    """Server-sent events of ``req``'s chunks.  The first chunk is awaited before the response starts, so
+    a refusal at admission still gets its status code; a later failure ends the stream with an error event.
+    A client that disconnects cancels the generator, which stops the request and frees its state."""
+    from starlette.responses import StreamingResponse
+    gen = dep.coord.stream(req)
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError(f"request {req.rid} ended before its first chunk") from None
+    model = dep.cfg.cluster.app_name
+
+    async def events():
+        try:
+            chunk = first
+            while True:
+                if chunk.text or chunk.finish_reason:
+                    payload = completion(model, chunk.result, chunk.text, chunk.finish_reason,
+                                         usage=chunk.result is not None, rid=req.rid)
+                    yield f"data: {json.dumps(payload)}\n\n"
+                if chunk.finish_reason is not None:
+                    break
+                chunk = await gen.__anext__()
+        except Exception as e:                                     # noqa: BLE001 - the status was sent already
+            err = refused(dep, e, req.strategy_name)
+            yield f"data: {err.body.decode()}\n\n"
+        finally:
+            await gen.aclose()
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class BearerAuth:
+    """ASGI middleware: without a valid ``Authorization: Bearer <key>`` every path but ``/health`` gets 401,
+    before routing (so unknown paths reveal nothing either).  Keys are compared in constant time (auth.py)."""
+
+    def __init__(self, app, dep):
+        self.app, self.dep = app, dep
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.dep.keys.enabled and \
+                not scope["path"].rstrip("/").endswith("/health"):
+            header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            if self.dep.keys.role(bearer_token(header)) is None:
+                log.info("refused (401): missing or invalid API key")
+                if self.dep.coord.metrics is not None:
+                    self.dep.coord.metrics.record(strategy_label(self.dep.cfg.engine.strategy), "unauthenticated")
+                response = json_response(oai_error(str(Unauthenticated()), "authentication_error", None, 401), 401,
+                                         {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
