@@ -1,3 +1,6 @@
+import dataclasses
+import socket
+
 import pytest
 import torch
 
@@ -12,3 +15,34 @@ def tiny_engine():
     """The in-process engine over configs/tiny.yaml (random tiny target and two truncated drafters)."""
     cfg = load_config("configs/tiny.yaml")
     return engine_for(cfg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served():
+    """A local Ray and the Serve app on configs/tiny.yaml with real gRPC and HTTP ports on free ports: one per
+    test session (start-up dominates), shared by tests/serving and tests/loadtest."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from cluster.serving.app import start_serve
+    from cluster.serving.client import SpecServeClient
+    cfg = load_config("configs/tiny.yaml")
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
+                                                               http_port=_free_port()))
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
+    start_serve(cfg)
+    client = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app=cfg.cluster.app_name, timeout=120)
+    client.wait_ready(300)
+    yield cfg, client
+    client.close()
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()

@@ -29,8 +29,9 @@ ALLOWED = {
     "serving": {"actors", "engine", "strategies", "models", "config", "core", "errors", "protos"},
     "family": {"models", "core", "config", "errors"},
     "bench": {"local", "serving", "engine", "strategies", "models", "family", "config", "core", "errors"},
-    "cli": {"bench", "local", "serving", "engine", "strategies", "models", "family", "config", "core", "errors",
-            "actors", "protos"},
+    "loadtest": {"serving", "family", "models", "config", "errors"},   # serving.client only; locust in worker.py
+    "cli": {"bench", "loadtest", "local", "serving", "engine", "strategies", "models", "family", "config", "core",
+            "errors", "actors", "protos"},
     "face": {"engine", "config", "core", "errors", "serving"},          # cluster/__init__.py
     "protos": set(),
 }

@@ -1,4 +1,4 @@
-"""``specserve`` command line: generate, zoo, bench, demo.
+"""``specserve`` command line: generate, zoo, bench, demo, loadtest.
 
 Bad arguments print one line naming the parameter, its allowed range and the value, and exit 2.
 """
@@ -13,6 +13,7 @@ from cluster.cli.bench import cmd_bench
 from cluster.cli.cluster import add_cluster_commands, run_cluster_command
 from cluster.cli.common import EXIT_USAGE, configure_threads, load_built_config
 from cluster.cli.cs import add_cs_commands, run_cs_command
+from cluster.cli.loadtest import add_loadtest_command, cmd_loadtest
 from cluster.config.paths import default_cache_dir
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", dest="max_new_tokens", default="48")
     add_cluster_commands(sub)                    # up, down, client
     add_cs_commands(sub)                         # train-head, tune, mag build-bigram
+    add_loadtest_command(sub)                    # loadtest
     return parser
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "zoo":
             return cmd_zoo(args)
-        if args.command in ("up", "down", "client"):
+        if args.command in ("up", "down", "client", "serve-config"):
             return run_cluster_command(args)
         if args.command == "bench":
             if args.cluster:
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command in ("train-head", "tune", "mag"):
             return run_cs_command(args)
+        if args.command == "loadtest":
+            return cmd_loadtest(args)
     except (ParamError, ConfigError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,44 +1,8 @@
-"""The ``served`` fixture: a local Ray, the Serve app on configs/tiny.yaml with real gRPC and HTTP ports
-(shared by the end-to-end tests and the fuzz tests; one cluster per test session, start-up dominates)."""
+"""The serving tests' markers.  Their ``served`` fixture (a local Ray, the Serve app on configs/tiny.yaml with
+real gRPC and HTTP ports) lives in tests/conftest.py, shared with tests/loadtest: one cluster per session."""
 from __future__ import annotations
-
-import dataclasses
-import socket
-
-import pytest
-
-from cluster.config.schema import load_config
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: property-based requests through the served cluster's ports "
                             "(scale with SPECSERVE_FUZZ_EXAMPLES)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def served():
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from cluster.serving.app import start_serve
-    from cluster.serving.client import SpecServeClient
-    cfg = load_config("configs/tiny.yaml")
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
-                                                               http_port=_free_port()))
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
-    start_serve(cfg)
-    client = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app=cfg.cluster.app_name, timeout=120)
-    client.wait_ready(300)
-    yield cfg, client
-    client.close()
-    serve.shutdown()
-    if started_ray:
-        ray.shutdown()

@@ -1,7 +1,7 @@
 """The cluster end to end: a local Ray, the Serve app on configs/tiny.yaml, requests through the real
 gRPC and HTTP ports; plus the tensor-parallel target (TP=2 over gloo vs TP=1) on the same Ray.
 
-One Ray + Serve instance (the ``served`` fixture, tests/serving/conftest.py; start-up dominates the
+One Ray + Serve instance (the ``served`` fixture, tests/conftest.py; start-up dominates the
 runtime). Synchronisation is by polling a condition with a deadline, never by sleeping a fixed time.
 """
 from __future__ import annotations
