@@ -330,3 +330,11 @@ def test_cli_client(served, capsys):
     assert main(["client", "--address", c.address, "--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
     assert "INVALID_ARGUMENT" in err and "temperature" in err and "-1" in err
+
+
+def test_metrics_urls_that_up_prints_are_scrapeable(served):
+    from cluster.cli.cluster import metrics_urls
+    urls = metrics_urls()
+    assert urls and all(u.startswith("http://") and u.endswith("/metrics") for u in urls)
+    body = _poll(lambda: urllib.request.urlopen(urls[0], timeout=10).read(), "the metrics endpoint")
+    assert b"# TYPE" in body
