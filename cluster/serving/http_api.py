@@ -51,11 +51,19 @@ class UnknownModel(Exception):
         super().__init__(f"the model {shown(name)} does not exist (served: {served!r}; see GET /v1/models)")
 
 
-async def read_body(request, limit: int = MAX_MESSAGE_BYTES) -> bytes:
-    """The request body (a Starlette request), refused once it is known to exceed ``limit`` bytes."""
+DRAIN_FACTOR = 4        # an oversized body up to this many limits is read (and dropped) before it is refused
+
+
+async def read_body(request, limit: int = MAX_MESSAGE_BYTES, drain: int = DRAIN_FACTOR) -> bytes:
+    """The request body (a Starlette request), refused once it is known to exceed ``limit`` bytes.  A body up
+    to ``drain`` times the limit is read to its end (and dropped) before the refusal, so the client, still
+    sending, gets the 400 instead of a connection reset; a larger one is refused at once."""
     allowed = f"a JSON object of at most {limit} bytes"
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        if int(declared) <= drain * limit:
+            async for _ in request.stream():
+                pass
         raise ParamError("body", allowed, f"{int(declared)} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():

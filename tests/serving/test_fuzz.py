@@ -608,7 +608,7 @@ def test_guarded_deserializers_and_servicer_functions():
 def test_http_body_limits():
     import asyncio
 
-    from cluster.serving.http_api import parse_body, read_body
+    from cluster.serving.http_api import DRAIN_FACTOR, parse_body, read_body
 
     class Request:
         def __init__(self, chunks, declared=None):
@@ -620,10 +620,14 @@ def test_http_body_limits():
                 self.read += 1
                 yield ch
 
+    huge = Request([b"x"] * 10, declared=DRAIN_FACTOR * MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(ParamError) as e:
+        asyncio.run(read_body(huge))
+    assert e.value.name == "body" and huge.read == 0                      # refused before reading
     big = Request([b"x"] * 10, declared=MAX_MESSAGE_BYTES + 1)
     with pytest.raises(ParamError) as e:
         asyncio.run(read_body(big))
-    assert e.value.name == "body" and big.read == 0                       # refused before reading
+    assert e.value.name == "body" and big.read == 10     # drained, unparsed: the client gets its 400, no reset
     chunked = Request([b"x" * (1 << 20)] * 20)
     with pytest.raises(ParamError):
         asyncio.run(read_body(chunked))
