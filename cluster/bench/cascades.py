@@ -1,5 +1,10 @@
 """The ``cascades`` benchmark suite: spec_cascade rules, lossy, token and oracle cascades swept over alpha,
-quality (chrF) against cost (walltime, parameter-count cost model, target calls), with tables and plots."""
+quality (chrF) against cost (walltime, parameter-count cost model, target calls), with tables and plots.
+
+The published variants beside ours (Narasimhan et al., *Faster Cascades via Speculative Decoding*), point by
+point over alpha: lossy speculative sampling with beta = 1 (the paper's heuristic and main lossy baseline,
+section 2) vs beta solved per position (ours, Tran-Thien's procedure), and GenSpecSample's bonus token from pi
+(the later version's Algorithm 4) vs from p (the first version's; our default), on the OPT cascade."""
 from __future__ import annotations
 
 import time
@@ -29,13 +34,42 @@ CHOW_SEQ_ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 ORACLE_ALPHAS = (0.0, 0.2, 0.4)          # oracle Diff cascade: a quality reference (a target call per token)
 
 
+BONUS_RULE = "opt"                       # the rule whose sweep is repeated with the bonus token from pi
+
+# (variant, the paper's method and setting, ours): compared point by point over alpha
+VARIANTS = (("lossy beta", "lossy[beta=1]", "beta=1", "lossy", "beta=solve"),
+            ("bonus token", f"spec_cascade[{BONUS_RULE},bonus=pi]", "pi (later version)", f"spec_cascade[{BONUS_RULE}]",
+             "p (first version)"))
+
+
+def compare_variants(points: list[dict]) -> list[dict]:
+    """Paper vs ours at every alpha both were run at: chrF, walltime and cost model per token."""
+    at = {(p["method"], p["alpha"]): p for p in points}
+    out = []
+    for variant, paper_m, paper_set, ours_m, ours_set in VARIANTS:
+        for (m, alpha), p in at.items():
+            o = at.get((ours_m, alpha))
+            if m != paper_m or o is None:
+                continue
+            out.append(dict(variant=variant, alpha=alpha, paper=paper_set, ours=ours_set,
+                            paper_chrF=p["chrF"], ours_chrF=o["chrF"],
+                            paper_rel_walltime=p["rel_walltime"], ours_rel_walltime=o["rel_walltime"],
+                            paper_rel_cost=p["rel_cost_model"], ours_rel_cost=o["rel_cost_model"],
+                            paper_drafter_calls_tok=p["drafter_calls_per_token"],
+                            ours_drafter_calls_tok=o["drafter_calls_per_token"]))
+    return out
+
+
 def cascade_configs(drafter: str, k: int, rules=None) -> list[tuple[str, str, dict]]:
     """(method, strategy, options) for every point of the sweep, target alone first."""
     out = [("target", "autoregressive", {})]
     for rule in rules or ALPHAS:
         out += [(f"spec_cascade[{rule}]", "spec_cascade", {"drafter": drafter, "k": k, "rule": rule, "alpha": a})
                 for a in ALPHAS[rule]]
+    out += [(f"spec_cascade[{BONUS_RULE},bonus=pi]", "spec_cascade",
+             {"drafter": drafter, "k": k, "rule": BONUS_RULE, "alpha": a, "bonus": "pi"}) for a in ALPHAS[BONUS_RULE]]
     out += [("lossy", "lossy", {"drafter": drafter, "k": k, "alpha": a}) for a in LOSSY_ALPHAS]
+    out += [("lossy[beta=1]", "lossy", {"drafter": drafter, "k": k, "alpha": a, "beta": 1.0}) for a in LOSSY_ALPHAS]
     out += [("token_cascade[chow]", "token_cascade", {"drafter": drafter, "alpha": a}) for a in CHOW_SEQ_ALPHAS]
     out += [("oracle[diff]", "oracle_cascade", {"drafter": drafter, "rule": "diff", "alpha": a}) for a in ORACLE_ALPHAS]
     return out
@@ -70,7 +104,7 @@ def plot_curves(points: list[dict], path: Path, title: str) -> None:
                          (axes[2], "target_calls_per_token", "target calls per generated token")):
         for m in methods:
             pts = sorted((p for p in points if p["method"] == m), key=lambda p: p[x])
-            style = "--" if m.startswith("token_cascade") else ":" if m == "lossy" else \
+            style = "--" if m.startswith("token_cascade") else ":" if m.startswith("lossy") else \
                 "-." if m.startswith("oracle") else "-"
             ax.plot([p[x] for p in pts], [p["chrF"] for p in pts], style, marker="o", ms=3, label=m)
         ax.scatter([target[x]], [target["chrF"]], marker="*", s=150, c="k", zorder=5, label="target alone")
@@ -133,7 +167,10 @@ def run_cascades(args, cfg) -> int:
     summary = (cheapest_at(points, levels, "rel_walltime") + cheapest_at(points, levels, "rel_cost_model")
                + cheapest_at(points, levels, "target_calls_per_token"))
     print_table(summary, "cheapest point per method reaching each quality level (gap = drafter-only .. target chrF)")
+    versus = compare_variants(points)
+    print_table(versus, "cascades: the paper's variants beside ours, same prompts and seeds")
     out = Path(args.out)
+    write_results(versus, out, "bench_cascades_variants")
     write_results(points, out, "bench_cascades")
     write_results(summary, out, "bench_cascades_summary")
     plot_curves(points, out / "bench_cascades.png", title)

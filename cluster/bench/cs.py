@@ -20,22 +20,25 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cluster.bench.main import bench_prompts, hf_runner, parse_ks
-from cluster.bench.measure import measure_alphas, measure_costs, proposal_latency
+from cluster.bench.measure import proposal_latency
 from cluster.bench.report import Row, print_table, write_results
+from cluster.bench.tune import neural_drafters, tune_choices
 from cluster.config.schema import MagSpec
 from cluster.core.cost_model import (
-    best_k,
     format_kmatrix,
     model_costs,
-    ranked_cascades,
     swi,
 )
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
+from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
 from cluster.family.bigram import ensure_bigram
-from cluster.local import build_engine
+from cluster.models.build import build_handles, load_tokenizer
+from cluster.models.maxgram import MagHandle
+
+PAPER_MAG = "mag-paper"         # the Max-Gram drafter read the paper's way: first occurrence, no match cap
 
 
 def with_mag(cfg):
@@ -46,41 +49,14 @@ def with_mag(cfg):
     return cfg
 
 
-def neural_drafters(engine, cfg) -> list[str]:
-    """The config's neural drafters, largest first."""
-    return sorted((d for d in cfg.drafters if d in engine.models),
-                  key=lambda d: -engine.models[d].num_params)
-
-
-def cascade_lists(neural: list[str], mag: str) -> list[list[str]]:
-    out = [[mag]]
-    if neural:
-        out.append([neural[-1], mag])
-    if len(neural) >= 2:
-        out += [[neural[0], mag], [neural[0], neural[-1], mag]]
-    return out
-
-
-def tune_choices(engine, cfg, sampling, prompts, *, n_tokens: int = 48, log=print) -> dict:
-    """Measure alpha for every (reviewer, drafter) pair and a per-call latency for every model, then pick
-    k for plain speculation and the K-matrix of every cascade list maximising the predicted EWIF."""
-    mag = cfg.mag.name
-    neural = neural_drafters(engine, cfg)
-    names = [engine.target, *neural, mag]
-    t0 = time.perf_counter()
-    alphas = measure_alphas(engine, names, prompts, sampling, n_tokens)
-    costs = measure_costs(engine, names, prompts[0])
-    out = {"alphas": alphas, "costs": costs, "speculative": {}, "cascade": {}}
-    for d in neural + [mag]:
-        out["speculative"][d] = best_k(d, engine.target, alphas, costs)
-    for lst in cascade_lists(neural, mag):
-        out["cascade"][",".join(lst)] = ranked_cascades(lst, engine.target, alphas, costs, (mag,))
-    log(f"[tune: measured {len(names)} models on {len(prompts)} prompts in {time.perf_counter() - t0:.1f}s]")
-    rows = [dict(reviewer=r, **{d: round(alphas[(r, d)], 3) for d in names[1:] if d != r}) for r in names[:-1]]
-    print_table(rows, f"acceptance rate alpha(reviewer, drafter), temperature {sampling.temperature:g}")
-    print_table([dict(model=n, call_ms=round(costs[n] * 1e3, 3), cost_vs_target=round(costs[n] / costs[engine.target], 4),
-                      params=engine.models[n].num_params) for n in names], "per-call cost")
-    return out
+def paper_engine(cfg) -> Engine:
+    """The in-process engine over ``cfg``'s models plus :data:`PAPER_MAG`, a second Max-Gram drafter over the
+    same bigram table that copies after the *first* earlier occurrence of the longest suffix match, of any
+    length (Chen et al., CS Drafting, appendix A), beside the config's (most recent, capped at 24)."""
+    handles = build_handles(cfg)
+    mag = handles[cfg.mag.name]
+    handles[PAPER_MAG] = MagHandle(mag.vocab_size, mag.bigram, name=PAPER_MAG, occurrence="first", max_ngram=0)
+    return Engine.configured(handles, load_tokenizer(cfg), cfg.target, cfg.engine)
 
 
 class Runner:
@@ -90,16 +66,22 @@ class Runner:
         self.engine, self.name, self.strategy, self.options = engine, name, strategy, options
         self.sampling, self.max_new = sampling, max_new
         self.row, self.stats = Row(name), RequestStats(strategy=strategy)
+        self.cpu_seconds = 0.0         # this process's CPU time: on a shared machine, free of other jobs' load
 
     def __call__(self, ids, seed, timed=True):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = self.engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=self.max_new,
                                                      sampling=self.sampling, seed=seed, strategy=self.strategy,
                                                      options=self.options, ignore_eos=True))
         if not timed:
             return
         self.row.record(res.stats, time.perf_counter() - t0)
+        self.cpu_seconds += time.process_time() - c0
         self.stats.merge(res.stats)
+
+    @property
+    def cpu_tokens_per_s(self) -> float:
+        return self.row.tokens / self.cpu_seconds if self.cpu_seconds else 0.0
 
 
 def run_rows(runners, prompts, desc):
@@ -139,7 +121,7 @@ def run(args, cfg) -> int:
 
     hf_logging.set_verbosity_error()
     cfg = with_mag(cfg)
-    engine = build_engine(cfg)
+    engine = paper_engine(cfg)
     mag = cfg.mag.name
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
@@ -168,7 +150,8 @@ def run(args, cfg) -> int:
         for lst, ranked in choice["cascade"].items():
             K = format_kmatrix(ranked[0][0])
             name = f"cs_drafting [{lst}] K={K}"
-            runners[name] = Runner(engine, name, "cs_drafting", {"drafters": lst, "kmatrix": K}, sampling, max_new)
+            runners[name] = Runner(engine, name, "cs_drafting", {"drafters": lst, "kmatrix": K,
+                                                                 "kmatrix_unit": "reviews"}, sampling, max_new)
         for d in neural:
             if getattr(engine.models[d], "specdec_head", None):
                 name = f"specdec_pp {d}"
@@ -181,6 +164,11 @@ def run(args, cfg) -> int:
             for k in ks:
                 runners[f"hf prompt-lookup k={k}"] = _hf(engine, sampling, max_new, f"hf prompt-lookup k={k}",
                                                          lookup=k)
+        pairs = paper_pairs(choice, neural, mag)
+        for _, _, paper, _, ours in pairs:
+            for opts in (paper, ours):
+                name = variant_name(opts)
+                runners[name] = Runner(engine, name, "cs_drafting", opts, sampling, max_new)
         run_rows(runners, prompts, f"bench cs t={temperature:g}")
         base = runners["autoregressive"].row
         table = []
@@ -202,11 +190,69 @@ def run(args, cfg) -> int:
                     [0.0] * max(0, kmax - len(fn.stats.accepted_per_pos))
         plot_acceptance(curves, out_dir / f"acceptance_by_position_t{temperature:g}.png",
                         f"acceptance by draft position (k={kmax}, T={temperature:g})")
+        versus = compare_pairs(pairs, {r["name"]: r for r in table})
+        print_table(versus, f"cs: the papers' variants beside ours (cs_drafting), temperature {temperature:g}")
+        write_results(versus, out_dir, f"bench_cs_variants_t{temperature:g}")
         summary.append(goals(table))
         for line in summary[-1]:
             print(line)
     print(f"results written to {out_dir}/bench_cs_t{{0,1}}.{{csv,json}} and acceptance_by_position_t*.png")
     return 0
+
+
+def reviewing_k(K) -> str:
+    """``K`` with every review-step entry of 1 raised to 2: where the two readings of an entry differ (an entry
+    of 1 is one review step either way)."""
+    n = len(K)
+    return format_kmatrix([[2 if (j < n - 1 and v == 1) else v for j, v in enumerate(row)] for row in K])
+
+
+def paper_pairs(choice, neural: list[str], mag: str) -> list[tuple[str, str, dict, str, dict]]:
+    """(variant, the paper's setting, its cs_drafting options, ours, its options) for Chen et al., *Cascade
+    Speculative Drafting*: MaG occurrence (appendix A), what a K-matrix entry counts (Algorithm
+    "CascadeSpeculativeDraftingStep"; on every list's tuned K with review entries >= 2, and on the paper's
+    K = [[2,10],[0,10]]) and lenience on MaG drafts (appendix B; at lenience 4: greedy, a lenience <= 2 accepts
+    a one-hot MaG token only where it is the reviewer's argmax anyway)."""
+    mag_k = str(choice["speculative"][mag][0])
+    out = [(f"MaG occurrence [{mag}] K={mag_k}", "first, uncapped", dict(drafters=PAPER_MAG, kmatrix=mag_k),
+            "recent, capped at 24", dict(drafters=mag, kmatrix=mag_k))]
+    for lst, ranked in choice["cascade"].items():
+        if lst != mag:
+            K = reviewing_k(ranked[0][0])
+            out.append((f"K unit [{lst}] K={K}", "tokens", dict(drafters=lst, kmatrix=K, kmatrix_unit="tokens"),
+                        "reviews", dict(drafters=lst, kmatrix=K, kmatrix_unit="reviews")))
+    for d in neural:
+        lst = f"{d},{mag}"
+        out.append((f"K unit [{lst}] K=2,10;0,10", "tokens", dict(drafters=lst, kmatrix="2,10;0,10",
+                                                                  kmatrix_unit="tokens"),
+                    "reviews", dict(drafters=lst, kmatrix="2,10;0,10", kmatrix_unit="reviews")))
+    if neural:
+        small = f"{neural[-1]},{mag}"
+        K = format_kmatrix(choice["cascade"][small][0][0])
+        out += [(f"lenience 4 on MaG drafts [{small}] K={K}", "off",
+                 dict(drafters=small, kmatrix=K, lenience=4.0, mag_lenience="off"),
+                 "on", dict(drafters=small, kmatrix=K, lenience=4.0, mag_lenience="on")),
+                (f"MaG occurrence [{small}] K={K}", "first, uncapped",
+                 dict(drafters=f"{neural[-1]},{PAPER_MAG}", kmatrix=K), "recent, capped at 24",
+                 dict(drafters=small, kmatrix=K))]
+    return out
+
+
+def variant_name(opts: dict) -> str:
+    return "variant cs_drafting " + " ".join(f"{k}={v}" for k, v in opts.items())
+
+
+def compare_pairs(pairs, by: dict) -> list[dict]:
+    """One row per variant: the paper's setting and ours side by side, measured on the same prompts."""
+    out = []
+    for variant, paper_set, paper, ours_set, ours in pairs:
+        p, o = by[variant_name(paper)], by[variant_name(ours)]
+        out.append(dict(variant=variant, paper=paper_set, ours=ours_set,
+                        paper_tok_s=p["tokens_per_s"], ours_tok_s=o["tokens_per_s"],
+                        ours_vs_paper=round(o["tokens_per_s"] / p["tokens_per_s"], 3) if p["tokens_per_s"] else None,
+                        paper_acc_call=p.get("accepted_per_call"), ours_acc_call=o.get("accepted_per_call"),
+                        paper_swi=p.get("swi_latency"), ours_swi=o.get("swi_latency")))
+    return out
 
 
 def goals(table: list[dict]) -> list[str]:

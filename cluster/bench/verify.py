@@ -8,6 +8,12 @@ sum_i prod_{j<=i} min(1, p_j/q_j); block: sum_i p_i, whose mean over drafts from
 Sun et al., *Optimal Block-Level Draft Verification for Accelerating Speculative Decoding*)
 -- a paired estimate free of the verifiers' own coin flips.
 
+The same suite puts GenSpecSample's two published bonus tokens side by side (Narasimhan et al., *Faster
+Cascades via Speculative Decoding*, Algorithm 4): from p (the first version; our default) and from pi (the
+later version; one more drafter forward per fully accepted draft), for the OPT speculative cascade at
+alpha = :data:`BONUS_ALPHA` with every drafter and L: accepted tokens per target call, drafter forwards per
+token and tokens/s (quality: the cascades suite).
+
 ``specserve bench --suite cascades``: cost-quality curves at temperature 1.  Every speculative cascade
 rule, lossy speculative sampling, the sequential TokenCascade[Chow] and the oracle Diff cascade
 (reference) swept over alpha; x = latency
@@ -33,6 +39,7 @@ from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 
 VERIFY_LS = (4, 6, 8)
+BONUS_ALPHA = 0.3
 
 
 T1 = SamplingParams(1.0)
@@ -144,5 +151,32 @@ def run_verify(args, cfg) -> int:
     print("acc_per_call = realised accepted draft tokens per target call; E_acc = expected accepted tokens of "
           "each verifier on the same drafts (paired); tok_s = generated tokens per second")
     write_results(table, Path(args.out), "bench_verify")
-    print(f"results written to {Path(args.out) / 'bench_verify'}.{{csv,json}}")
+    bonus = bonus_table(engine, drafters, prompts, max_new)
+    print_table(bonus, f"verify: GenSpecSample bonus token from pi (later version) vs p (first version; ours), "
+                       f"spec_cascade rule opt alpha {BONUS_ALPHA}, same prompts and seeds")
+    write_results(bonus, Path(args.out), "bench_verify_bonus")
+    print(f"results written to {Path(args.out) / 'bench_verify'}{{,_bonus}}.{{csv,json}}")
     return 0
+
+
+def bonus_table(engine, drafters: list[str], prompts: list[list[int]], max_new: int) -> list[dict]:
+    rows: dict[tuple, Row] = {}
+    configs = [(d, L, b) for d in drafters for L in VERIFY_LS for b in ("pi", "p")]
+    opts = lambda d, L, b: {"drafter": d, "k": L, "rule": "opt", "alpha": BONUS_ALPHA, "bonus": b}  # noqa: E731
+    for d, L, b in configs:                                                   # warm-up (not timed)
+        _run(engine, "spec_cascade", opts(d, L, b), T1, 8, prompts[0][:16], 0, Row("w"))
+    for i, ids in enumerate(prompts):
+        for d, L, b in (configs if i % 2 == 0 else configs[::-1]):
+            _run(engine, "spec_cascade", opts(d, L, b), T1, max_new, ids, 3000 + i,
+                 rows.setdefault((d, L, b), Row(f"{d} L={L} {b}")))
+    out = []
+    for d in drafters:
+        for L in VERIFY_LS:
+            p, o = rows[(d, L, "pi")], rows[(d, L, "p")]
+            out.append(dict(drafter=d, L=L, paper_pi_acc_call=round(p.accepted_per_call, 3),
+                            ours_p_acc_call=round(o.accepted_per_call, 3),
+                            paper_pi_draft_calls_tok=round(p.draft_calls / p.tokens, 3),
+                            ours_p_draft_calls_tok=round(o.draft_calls / o.tokens, 3),
+                            paper_pi_tok_s=round(p.tokens_per_s, 2), ours_p_tok_s=round(o.tokens_per_s, 2),
+                            ours_vs_paper=round(o.tokens_per_s / p.tokens_per_s, 3) if p.tokens_per_s else None))
+    return out

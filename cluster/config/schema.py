@@ -129,15 +129,22 @@ class MagSpec:
 
     ``bigram``: a table file from ``specserve mag build-bigram`` (default: built from the zoo's training
     corpus and cached, see :func:`cluster.config.paths.default_bigram_path`).
+
+    ``occurrence`` / ``max_ngram``: copy after the most ``recent`` earlier occurrence of the longest suffix match,
+    matches capped at 24 tokens (ours, the default), or after the ``first`` one with ``max_ngram: 0`` (no cap: the
+    paper's appendix A); see :mod:`cluster.core.maxgram`.
     """
 
     name: str = "mag"
     bigram: str | None = None
     max_ngram: int = 24
+    occurrence: str = "recent"
 
     def validate(self, path: str) -> None:
-        if self.max_ngram < 1:
-            raise ConfigError(f"{path}.max_ngram: must be >= 1, got {self.max_ngram}")
+        if self.max_ngram < 0:
+            raise ConfigError(f"{path}.max_ngram: must be >= 0 (0: no cap), got {self.max_ngram}")
+        if self.occurrence not in ("recent", "first"):
+            raise ConfigError(f"{path}.occurrence: must be recent or first, got {self.occurrence!r}")
 
 
 @dataclass(frozen=True)

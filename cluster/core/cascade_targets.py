@@ -7,7 +7,8 @@ holds those functions T, pure over ``[..., V]`` float64 tensors:
 
 * :func:`lossy_target`    lossy speculative sampling (Narasimhan et al. 2024, Faster Cascades, Table 1 row
   "Lossy SpecDecoding", Lemma in its appendix; Tran-Thien 2023): pi = max{min{q, p/(1-alpha)}, p/beta},
-  beta solved;
+  beta solved; or with a fixed beta in [1-alpha, 1] (section 2: "a common heuristic is to simply set
+  beta = 1"), the law that procedure emits;
 * :func:`cascade_target`  speculative cascades (Narasimhan et al. 2024, Faster Cascades, Algorithm 5 / eq. (6)):
   pi = (1-delta) q + delta p, delta from **chow**, **diff**, **opt** (Table 1), and the
   token-specific cascades (the later version of Narasimhan et al., *Faster Cascades via Speculative Decoding*,
@@ -31,8 +32,14 @@ from cluster.errors import ParamError, check_float
 ALPHA_RANGE = (-2.0, 1.0)     # cascade rules: -2 = always defer, 1 = never defer
 
 
-def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor:
-    """pi = max{min{q, p/(1-alpha)}, p/beta}, with beta >= 1-alpha solved so that sum pi = 1.
+BETA_SOLVE = "solve"      # lossy_target's beta: solved per position (Tran-Thien 2023) instead of a number
+
+
+def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: float | str = BETA_SOLVE) -> torch.Tensor:
+    """Lossy speculative sampling's target: beta solved (:data:`BETA_SOLVE`) or a fixed number
+    (:func:`lossy_target_fixed_beta`, e.g. the paper's heuristic beta = 1).
+
+    Solved: pi = max{min{q, p/(1-alpha)}, p/beta}, with beta >= 1-alpha solved so that sum pi = 1.
 
     Narasimhan et al. 2024, Faster Cascades, Table 1 ("Lossy SpecDecoding") and appendix D.3 (the condition
     sum max{0, q - p/(1-alpha)} = sum max{0, p/beta - q} of Tran-Thien 2023 is exactly sum pi = 1).
@@ -47,6 +54,8 @@ def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor
     with g <= 1 and solve the linear piece.  alpha = 0 returns p itself (lossless).
     """
     alpha = check_float("alpha", alpha, 0.0, 1.0, high_open=True)
+    if beta != BETA_SOLVE:
+        return lossy_target_fixed_beta(q, p, alpha, beta)
     q, p = q.to(torch.float64), p.to(torch.float64)
     if alpha == 0.0:
         return p.clone()
@@ -63,6 +72,44 @@ def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor
     t = ((1.0 - Mj) / Pj).clamp(max=1.0 / (1.0 - alpha))                       # [..., 1]
     pi = torch.maximum(m, t * p)
     return pi / pi.sum(-1, keepdim=True)
+
+
+def lossy_target_fixed_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: float = 1.0) -> torch.Tensor:
+    """The law lossy speculative sampling emits with a *fixed* beta (Narasimhan et al. 2024, Faster Cascades,
+    section 2: accept x w.p. min(1, p(x) / ((1-alpha) q(x))), else resample from norm(max{0, p/beta - q});
+    "a common heuristic is to simply set beta = 1", their main lossy baseline, section 6):
+
+        pi = m + (1 - sum m) * norm(max{0, p/beta - q}),   m = min{q, p/(1-alpha)}.
+
+    With beta in [1-alpha, 1] this pi, run through GenSpecSample (Algorithm 4), *is* that procedure: where
+    p/beta > q, also p/(1-alpha) > q, so m = q and pi >= q (accepted w.p. 1, as min(1, p/((1-alpha) q)) = 1);
+    elsewhere pi = m <= q (accepted w.p. m/q); and max{0, pi - q} = (1 - sum m) max{0, p/beta - q}, the same
+    residual.  beta <= 1 keeps that residual non-empty whenever a rejection is possible (sum p/beta >= sum q,
+    with equality only if beta = 1 and p = q, where nothing is rejected).  Table 1's max{m, p/beta} is a
+    distribution only for the solved beta (:func:`lossy_target`); alpha = 0, beta = 1 gives pi = p.
+
+    q, p: ``[..., V]``; alpha in [0, 1); beta in [1-alpha, 1].  Returns pi ``[..., V]`` (float64).
+    """
+    alpha = check_float("alpha", alpha, 0.0, 1.0, high_open=True)
+    beta = check_beta(beta, alpha)
+    q, p = q.to(torch.float64), p.to(torch.float64)
+    m = torch.minimum(q, p / (1.0 - alpha))                                     # [..., V]
+    r = torch.clamp(p / beta - q, min=0.0)                                     # [..., V]
+    mass = r.sum(-1, keepdim=True)
+    r = r / torch.where(mass > 0, mass, 1.0)
+    return m + (1.0 - m.sum(-1, keepdim=True)).clamp(min=0.0) * r
+
+
+def check_beta(beta, alpha: float) -> float:
+    """A fixed beta of lossy speculative sampling: a number in [1 - alpha, 1] (ParamError otherwise)."""
+    low = 1.0 - float(alpha)
+    try:
+        value = float(beta)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or isinstance(beta, bool) or not low - 1e-12 <= value <= 1.0:
+        raise ParamError("beta", f"'{BETA_SOLVE}' or a number in [1 - alpha, 1] = [{low:g}, 1]", beta)
+    return value
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

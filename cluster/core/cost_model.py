@@ -20,8 +20,15 @@ def phi(alpha: float, k: int, x: float) -> float:
     return x + (x - 1.0) * sum((alpha * x) ** i for i in range(1, k + 1))
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """phi'(1) = (1 - alpha^{k+1}) / (1 - alpha): expected tokens per step with k drafted tokens."""
+def expected_tokens(alpha, k: int) -> float:
+    """phi'(1) = (1 - alpha^{k+1}) / (1 - alpha): expected tokens per step with k drafted tokens; for a list
+    of per-position alphas (see :class:`CascadeModel`) 1 + sum_{t<=k} prod_{i<=t} alpha_i."""
+    if isinstance(alpha, (list, tuple)):
+        total, prod = 1.0, 1.0
+        for t in range(k):
+            prod *= alpha[min(t, len(alpha) - 1)]
+            total += prod
+        return total
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
@@ -55,9 +62,21 @@ class CascadeModel:
     acceptance, generalising Theorems 4.3 and 4.5 by the same generating-function argument.
 
     ``alpha[r][j]``: probability that reviewer r (0 = target, r = drafter r) accepts a token handed up
-    by drafter j+1 (a token it proposed, or one it vouched for as a reviewer); ``cost[j]``: cost of one
+    by drafter j+1 (a token it proposed, or one it vouched for as a reviewer); for the bottom drafter also
+    a list, alpha_t = P(its t-th proposed token accepted | the ones before it were), the last entry
+    repeating (a Max-Gram proposal copies a matched run: its tokens are not independent); ``cost[j]``: cost of one
     call of drafter j+1 (a forward pass; for the last drafter one ``propose`` of a token if neural, one
-    call if statistical: set ``bottom_per_token``).
+    call if statistical: set ``bottom_per_token``), in target passes.
+
+    ``vouched[r][j]`` (optional): the rate at which reviewer r accepts the *accepted* draft tokens a review
+    step of drafter j+1 hands up (tokens two models agreed on), ``alpha[r][j]`` then only for its own last token:
+    a review step adds P * (S_m(u) + E[u^A] a x) to S and multiplies P by E[u^A] a x (u = v x,
+    E[u^A] = 1 + (u - 1) S_m(u) / u); with v = a this is the formula below.
+
+    Costs by length (``specserve tune``): ``cost[j]`` may be a function of the tokens one forward feeds, and
+    ``target_cost`` one for the target (default: 1 per verification, whatever the draft length).  A review
+    step of a draft of L tokens then costs cost(L + 1), the verification target_cost(L + 1), a neural bottom
+    drafter cost(1) per token, all at the expected draft lengths (:meth:`draft_len`).
 
     A draft is a sequence of *segments* (one bottom proposal, or one review step of a drafter) with
     independent random lengths N; with a = alpha[r][j] and G_N the PGF of N, a segment multiplies the
@@ -65,9 +84,14 @@ class CascadeModel:
     S(x) = sum_i x^i prod_{j<=i} a_j; the reviewer then emits A + 1 tokens with PGF x + (x - 1) S(x).
     """
 
-    def __init__(self, K, alpha, cost, bottom_per_token: bool = False):
+    def __init__(self, K, alpha, cost, bottom_per_token: bool = False, target_cost=None, vouched=None):
         self.K, self.alpha, self.cost, self.per_token = K, alpha, cost, bottom_per_token
+        self.target_cost, self.vouched = target_cost, vouched
         self.n = len(K)
+
+    def _call(self, j: int, tokens: float) -> float:
+        c = self.cost[j]
+        return float(c(tokens)) if callable(c) else float(c)
 
     def _draft(self, r: int, x: float) -> float:
         """S(x) of reviewer r's draft.  A bottom segment of b tokens adds P * sum_{t<=b} y^t and
@@ -78,39 +102,61 @@ class CascadeModel:
             b = self.K[r][j]
             if b <= 0:
                 continue
-            y = self.alpha[r][j] * x
-            if j == self.n - 1:
-                S += P * sum(y ** t for t in range(1, b + 1))
-                P *= y ** b
-            else:
+            a = self.alpha[r][j]
+            if j == self.n - 1:                      # a: one alpha, or one per position of the proposal
+                for t in range(b):
+                    P *= (a[min(t, len(a) - 1)] if isinstance(a, (list, tuple)) else a) * x
+                    S += P
+            elif self.vouched is None:
+                y = a * x
                 for _ in range(b):
                     s = self._draft(j + 1, y)
                     S += P * y * (1.0 + s)
                     P *= y + (y - 1.0) * s
+            else:                                    # the A accepted tokens at v, the reviewer's own at a
+                u = self.vouched[r][j] * x
+                for _ in range(b):
+                    s = self._draft(j + 1, u)
+                    g = 1.0 + (u - 1.0) * s / u if u > 0 else 0.0        # E[u^A]
+                    S += P * (s + g * a * x)
+                    P *= g * a * x
         return S
 
     def pgf(self, m: int, x: float) -> float:
         """PGF of the tokens one review step of drafter m emits (accepted + 1)."""
         return x + (x - 1.0) * self._draft(m, x)
 
+    def draft_len(self, r: int) -> float:
+        """Expected length of reviewer r's draft: b per bottom segment, E[N] = 1 + S_m(1) per review step of
+        drafter m (its accepted tokens plus one)."""
+        total = 0.0
+        for j in range(r, self.n):
+            b = self.K[r][j]
+            if b > 0:
+                total += b if j == self.n - 1 else b * (1.0 + self._draft(j + 1, 1.0))
+        return total
+
     def cost_of(self, r: int) -> float:
-        """Expected (here: deterministic) cost of building reviewer r's draft, in target passes."""
+        """Expected cost of building reviewer r's draft, in target passes (per call: deterministic)."""
         total = 0.0
         for j in range(r, self.n):
             b = self.K[r][j]
             if b <= 0:
                 continue
             if j == self.n - 1:
-                total += self.cost[j] * (b if self.per_token else 1)
+                total += self._call(j, 1) * b if self.per_token else self._call(j, b)
             else:
-                total += b * (self.cost[j] + self.cost_of(j + 1))
+                total += b * (self._call(j, self.draft_len(j + 1) + 1.0) + self.cost_of(j + 1))
         return total
+
+    def verify_cost(self) -> float:
+        return 1.0 if self.target_cost is None else float(self.target_cost(self.draft_len(0) + 1.0))
 
     def tokens_per_step(self) -> float:
         return 1.0 + self._draft(0, 1.0)
 
     def ewif(self) -> float:
-        return self.tokens_per_step() / (1.0 + self.cost_of(0))
+        return self.tokens_per_step() / (self.verify_cost() + self.cost_of(0))
 
 
 def ewif_cascade(K, alpha, cost, bottom_per_token: bool = False) -> float:
@@ -154,27 +200,53 @@ def kmatrix_grid(n: int):
     raise ValueError("kmatrix_grid: at most 3 drafters")
 
 
-def predict_cascade(K, names, target, alphas, costs, mags=("mag",)) -> float:
+def predict_cascade(K, names, target, alphas, costs, mags=("mag",), forward=None,
+                    overhead: tuple[float, float] = (0.0, 0.0), vouched=None) -> float:
     """EWIF of CS Drafting with drafters ``names`` and K-matrix ``K`` from measured alphas/costs
-    (a bottom MaG costs one call per proposal, a neural bottom one pass per token)."""
+    (a bottom MaG costs one call per proposal, a neural bottom one pass per token).
+
+    ``costs``: seconds of one call per model.  ``forward`` (optional): ``{model: ForwardCost}`` for the
+    neural models; then every forward is charged by its measured one-row cost at the tokens it feeds
+    (a verification of L tokens: target(1, L + 1)), a model without a table (MaG) by ``costs``, and
+    ``overhead`` = (seconds per step, seconds per draft token) adds the engine's own work (the step loop;
+    distributions and verification per position) -- all relative to one plain decoding step,
+    target(1, 1) + the step overhead.  ``vouched`` (optional): ``{(reviewer, drafter): v}``, see
+    :class:`CascadeModel` (pairs it lacks: v = alpha)."""
     n = len(names)
     models = [target, *names]
     A = [[alphas[(models[r], names[j])] if j >= r else 0.0 for j in range(n)] for r in range(n)]
-    c = [costs[d] / costs[target] for d in names]
-    return ewif_cascade(K, A, c, bottom_per_token=names[-1] not in mags)
+    Vm = None if vouched is None else [[vouched.get((models[r], names[j]), A[r][j]) if j >= r else 0.0
+                                        for j in range(n)] for r in range(n)]
+    if forward is None:
+        c = [costs[d] / costs[target] for d in names]
+        return ewif_cascade(K, A, c, bottom_per_token=names[-1] not in mags)
+    o, eps = overhead
+    unit = forward[target](1, 1) + o
+    c = [(lambda t, f=forward[d]: (f(1, t) + eps * (t - 1)) / unit) if d in forward else costs[d] / unit
+         for d in names]
+    verify = lambda t: (forward[target](1, t) + o + eps * (t - 1)) / unit          # noqa: E731
+    return CascadeModel(K, A, c, names[-1] not in mags, target_cost=verify, vouched=Vm).ewif()
 
 
-def ranked_cascades(names, target, alphas, costs, mags=("mag",)):
+def ranked_cascades(names, target, alphas, costs, mags=("mag",), forward=None, overhead=(0.0, 0.0), vouched=None):
     """[(K, predicted EWIF)] over :func:`kmatrix_grid`, best first."""
-    return sorted(((K, predict_cascade(K, names, target, alphas, costs, mags)) for K in kmatrix_grid(len(names))),
-                  key=lambda t: -t[1])
+    return sorted(((K, predict_cascade(K, names, target, alphas, costs, mags, forward, overhead, vouched))
+                   for K in kmatrix_grid(len(names))), key=lambda t: -t[1])
 
 
-def best_k(drafter, target, alphas, costs, k_max: int = 12):
-    """(k, predicted EWIF) for plain speculative decoding with ``drafter`` (Corollary 4.2)."""
-    c = costs[drafter] / costs[target]
-    return max(((k, ewif_speculative(alphas[(target, drafter)], k, c)) for k in range(1, k_max + 1)),
-               key=lambda t: t[1])
+def best_k(drafter, target, alphas, costs, k_max: int = 12, forward=None, overhead=(0.0, 0.0)):
+    """(k, predicted EWIF) for plain speculative decoding with ``drafter`` (Corollary 4.2); with ``forward``
+    (``{model: ForwardCost}``) the step of k drafts costs k drafter(1, 1) + target(1, k + 1) (the load-aware
+    planner's model, :func:`step_seconds`, at one row) plus ``overhead`` (per step, per draft token), over
+    one plain decoding step."""
+    a = alphas[(target, drafter)]
+    if forward is None:
+        c = costs[drafter] / costs[target]
+        return max(((k, ewif_speculative(a, k, c)) for k in range(1, k_max + 1)), key=lambda t: t[1])
+    T, D = forward[target], forward.get(drafter)
+    o, eps = overhead
+    return max(((k, expected_tokens(a, k) * (T(1, 1) + o) / (step_seconds(k, D, T, 1) + o + eps * k))
+                for k in range(1, k_max + 1)), key=lambda t: t[1])
 
 
 def format_kmatrix(K) -> str:
@@ -242,6 +314,15 @@ def _segment(xs: list[int], x: float) -> tuple[int, int, float]:
     return a, b, (x - a) / (b - a)
 
 
+def step_seconds(k: int, drafter_cost: ForwardCost | None, target_cost: ForwardCost, rows: int,
+                 target_rows: int | None = None) -> float:
+    """Modelled seconds of one speculative step over ``rows`` rows: k sequential drafter forwards of one
+    token (none for a deterministic drafter: ``drafter_cost=None``) and one target forward of k + 1 tokens
+    per row over ``target_rows`` (default ``rows``).  Shared by the load-aware planner and ``specserve tune``."""
+    per_draft = 0.0 if drafter_cost is None else drafter_cost(rows, 1)
+    return k * per_draft + target_cost(rows if target_rows is None else target_rows, k + 1)
+
+
 def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None, target_cost: ForwardCost,
                       k_max: int, deterministic_drafter: bool, *, target_rows: int | None = None,
                       scale: dict[int, float] | None = None, margin: float = 0.0) -> int:
@@ -273,10 +354,10 @@ def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None,
     b = len(alphas)
     bt = b if target_rows is None else max(int(target_rows), b)
     alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
-    per_draft = 0.0 if deterministic_drafter or drafter_cost is None else drafter_cost(b, 1)
+    drafter_cost = None if deterministic_drafter else drafter_cost
     rates = []
     for k in range(k_max + 1):
-        seconds = max((k * per_draft + target_cost(bt, k + 1)) * (scale or {}).get(k, 1.0), 1e-12)
+        seconds = max(step_seconds(k, drafter_cost, target_cost, b, bt) * (scale or {}).get(k, 1.0), 1e-12)
         rates.append(sum(expected_tokens(a, k) for a in alphas) / seconds)
     best_k = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))    # ties: the smaller k
     return best_k if rates[best_k] > rates[0] * (1.0 + margin) * (1.0 + 1e-9) else 0

@@ -10,8 +10,16 @@ incremental index: a dict from every n-gram (n <= ``max_ngram``) to the end posi
 occurs, updated per appended token in O(max_ngram) and undone per removed token on rollback.  The
 longest earlier match is then a binary search over n (if a suffix of length n occurred earlier, so did
 its suffix of length n - 1), so a proposal costs O(log(max_ngram) * max_ngram + k * max_ngram)
-independent of the context length.  Among several earlier occurrences of the longest suffix, the
-*most recent* one is copied (the paper's listing takes the first; recent context predicts better).
+independent of the context length.
+
+Two readings of "copy what followed the match", named by ``occurrence`` and ``max_ngram``:
+
+* ours (the default): the *most recent* earlier occurrence of the longest suffix match, matches capped at
+  ``max_ngram`` = 24 tokens (recent context predicts better; the cap bounds the index);
+* the paper's (appendix A, Listing 1: ``torch_index(..., 1)`` takes the first match): the *first* earlier
+  occurrence (``occurrence="first"``), of a match of any length (``max_ngram=0``: the table indexes
+  :data:`DEFAULT_MAX_NGRAM`-grams and a match that long is extended by comparing tokens backwards at each of
+  its occurrences, so the longest match is found exactly).
 
 :class:`cluster.models.maxgram.MagHandle` exposes MaG through the :class:`cluster.core.interfaces.ModelHandle`
 interface, so a strategy treats it like any drafter: its proposals come with one-hot "distributions" (logits 0 for
@@ -25,18 +33,27 @@ from typing import Iterable, Sequence
 import numpy as np
 
 DEFAULT_MAX_NGRAM = 24
+OCCURRENCES = ("recent", "first")     # which earlier occurrence of the longest suffix match is copied
 
 
 # -- the incremental index ----------------------------------------------------------------------
 class MaxGramIndex:
-    """Token sequence plus an index of n-gram -> end positions (ascending), n <= ``max_ngram``.
+    """Token sequence plus an index of n-gram -> end positions (ascending), n <= ``max_ngram``
+    (``max_ngram=0``: n <= ``table_ngram`` in the table, matches uncapped).  ``occurrence``: copy
+    after the ``"recent"`` (latest) or ``"first"`` earlier occurrence of the longest match.
 
     Invariant: the index holds exactly the n-grams ending at positions ``<= len(seq) - 2``, so any hit
     for a suffix of the sequence is an *earlier* occurrence (never the suffix itself).
     """
 
-    def __init__(self, ids: Sequence[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM):
-        self.max_ngram = max_ngram
+    def __init__(self, ids: Sequence[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM, occurrence: str = "recent",
+                 *, table_ngram: int = DEFAULT_MAX_NGRAM):
+        if occurrence not in OCCURRENCES or max_ngram < 0 or table_ngram < 1:
+            raise ValueError(f"MaxGramIndex: occurrence in {OCCURRENCES}, max_ngram >= 0 (0: uncapped); "
+                             f"got {occurrence!r}, {max_ngram}")
+        self.capped = max_ngram > 0
+        self.max_ngram = max_ngram if self.capped else table_ngram       # the table's n-gram limit
+        self.first = occurrence == "first"
         self.seq: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
         self.extend(ids)
@@ -81,19 +98,30 @@ class MaxGramIndex:
             self.seq.pop()
 
     def longest_match(self) -> tuple[int, int]:
-        """(n, e): the longest suffix length n that also ends at an earlier position, and the latest
-        such end position e (``<= len - 2``); (0, -1) when even the last token never occurred before."""
+        """(n, e): the longest suffix length n that also ends at an earlier position, and the latest (or,
+        with ``occurrence="first"``, the first) such end position e (``<= len - 2``); (0, -1) when even the
+        last token never occurred before."""
         seq, table = self.seq, self.table
         N = len(seq)
-        lo, hi, best = 1, min(self.max_ngram, N - 1), (0, -1)
+        lo, hi, best, hits = 1, min(self.max_ngram, N - 1), (0, -1), None
         while lo <= hi:                              # monotone: a match of n implies one of n - 1
             mid = (lo + hi) // 2
             hit = table.get(tuple(seq[N - mid:]))
             if hit is None:
                 hi = mid - 1
             else:
-                best, lo = (mid, hit[-1]), mid + 1
+                best, hits, lo = (mid, hit[0] if self.first else hit[-1]), hit, mid + 1
+        if not self.capped and best[0] == self.max_ngram:       # uncapped: extend at every occurrence
+            best = max(((self._match_len(e), -e if self.first else e) for e in hits))
+            best = (best[0], abs(best[1]))
         return best
+
+    def _match_len(self, e: int) -> int:
+        """Length of the common suffix of ``seq[:e + 1]`` and the whole sequence (e <= len - 2)."""
+        seq, N, n = self.seq, len(self.seq), 0
+        while n <= e and seq[e - n] == seq[N - 1 - n]:
+            n += 1
+        return n
 
     def predict(self, k: int, bigram: np.ndarray | None) -> list[int]:
         """k draft tokens: copy what followed the longest earlier match, then bigram continuation."""
@@ -109,17 +137,17 @@ class MaxGramIndex:
 
 
 def brute_force_predict(seq: Sequence[int], k: int, bigram: np.ndarray | None,
-                        max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
+                        max_ngram: int = DEFAULT_MAX_NGRAM, occurrence: str = "recent") -> list[int]:
     """Reference implementation of :meth:`MaxGramIndex.predict` by rescanning (for the tests)."""
     seq = list(seq)
     N = len(seq)
     if k <= 0 or N == 0:
         return []
     out: list[int] = []
-    for n in range(min(max_ngram, N - 1), 0, -1):
+    for n in range(min(max_ngram or N, N - 1), 0, -1):
         ends = [e for e in range(n - 1, N - 1) if seq[e - n + 1:e + 1] == seq[N - n:]]
         if ends:
-            e = ends[-1]
+            e = ends[0] if occurrence == "first" else ends[-1]
             out = seq[e + 1:e + 1 + k]
             break
     last = out[-1] if out else seq[-1]

@@ -26,6 +26,20 @@ class Verdict:
     bonus: bool  # True when next_token is a bonus token (whole draft accepted)
 
 
+def gen_spec_prefix(draft: list[int], q: torch.Tensor, pi: torch.Tensor, rng: Rng) -> Verdict | None:
+    """The accept / recover part of GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative
+    Decoding*, Algorithm 4), shapes as in :func:`gen_spec_verify`: accept x_i with probability
+    min(1, pi_i(x_i) / q_i(x_i)); at the first rejection return the verdict with a **recovered** token from
+    norm(max(0, pi_i - q_i)).  ``None`` when all L are accepted (the caller draws the bonus token)."""
+    L = len(draft)
+    assert q.shape[0] == L and pi.shape[0] == L, (q.shape, pi.shape, L)
+    for i, x in enumerate(draft):
+        pix, qx = float(pi[i, x]), float(q[i, x])
+        if not rng.bernoulli(pix / qx if qx > 0 else 1.0 if pix > 0 else 0.0):
+            return Verdict(i, sample(residual(pi[i], q[i]), rng), bonus=False)
+    return None
+
+
 def gen_spec_verify(draft: list[int], q: torch.Tensor, pi: torch.Tensor, p_bonus: torch.Tensor,
                     rng: Rng) -> Verdict:
     """GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Algorithm 4).
@@ -33,19 +47,15 @@ def gen_spec_verify(draft: list[int], q: torch.Tensor, pi: torch.Tensor, p_bonus
     draft:   ``[L]`` tokens x_1..x_L drawn from the drafter;
     q:       ``[L, V]`` drafter distributions q_i = q(. | x^{i-1});
     pi:      ``[L, V]`` target distributions pi_i = T(q_i, p_i) to mimic at each draft position;
-    p_bonus: ``[V]``   verifier distribution after the whole draft, p(. | x^L).
+    p_bonus: ``[V]``   the distribution of the bonus token after the whole draft: p(. | x^L) in the first
+             version of the paper, pi_{L+1} = T(q_{L+1}, p_{L+1}) in its later version.
 
     Accept x_i with probability min(1, pi_i(x_i) / q_i(x_i)); at the first rejection emit a
     **recovered** token from norm(max(0, pi_i - q_i)); if all L are **accepted** emit a **bonus**
     token from p_bonus.  Each emitted token at a draft position is distributed exactly as pi_i.
     """
-    L = len(draft)
-    assert q.shape[0] == L and pi.shape[0] == L, (q.shape, pi.shape, L)
-    for i, x in enumerate(draft):
-        pix, qx = float(pi[i, x]), float(q[i, x])
-        if not rng.bernoulli(pix / qx if qx > 0 else 1.0 if pix > 0 else 0.0):
-            return Verdict(i, sample(residual(pi[i], q[i]), rng), bonus=False)
-    return Verdict(L, sample(p_bonus, rng), bonus=True)
+    verdict = gen_spec_prefix(draft, q, pi, rng)
+    return verdict if verdict is not None else Verdict(len(draft), sample(p_bonus, rng), bonus=True)
 
 
 def verify_tokens(draft: list[int], q: torch.Tensor, p: torch.Tensor, rng: Rng) -> Verdict:

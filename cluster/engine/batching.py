@@ -21,7 +21,7 @@ def _args(call: ModelCall) -> tuple:
         return (call.k,)
     if isinstance(call, Score):
         return (list(call.draft),)
-    return (call.k_max, call.head, call.threshold)
+    return (call.k_max, call.head, call.threshold, call.eos)
 
 
 def run_group(handle: ModelHandle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:

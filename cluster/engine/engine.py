@@ -90,9 +90,9 @@ class Engine:
         ``sink`` gets its chunks; ``on_end`` is called once the request has left, whatever the outcome."""
         req = self.prepare(req)
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
-        ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
-                          list(req.prompt_ids), 0)
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
+        ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
+                          list(req.prompt_ids), 0, eos=eos)
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s

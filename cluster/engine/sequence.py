@@ -57,6 +57,7 @@ class Sequence:
     def accept(self, new: list[int]) -> StreamChunk:
         """Apply EOS, the token budget and stop strings to one step's tokens; returns the chunk to emit."""
         stats, req = self.ctx.stats, self.req
+        streamed = len(self.generated)         # ids already handed out by earlier chunks
         if not stats.ttft_s:
             stats.ttft_s = time.perf_counter() - self.t0
         finish = None
@@ -66,8 +67,8 @@ class Sequence:
         self.ctx.tokens.extend(new)
         self.generated.extend(new)
         text, stopped = self.decoder.push(self.generated)
-        if stopped is not None:
-            self.generated, finish = self.generated[:stopped], "stop"
+        if stopped is not None:            # keep the ids up to the stop string, even mid-block
+            self.generated, finish = self.generated[:max(stopped, streamed)], "stop"
         elif finish is None and len(self.generated) >= req.max_new_tokens:
             finish = "length"
         if finish is not None:
@@ -77,7 +78,8 @@ class Sequence:
         self.finish = finish
         if finish is not None:
             self.result = GenerationResult(self.generated, self.decoder.text, finish, stats, req.seed, req.rid)
-        return StreamChunk(new if stopped is None else [], text, finish, self.result)
+        # this step's ids that survive EOS, the budget and a stop string: the chunks concatenate to the result
+        return StreamChunk(self.generated[streamed:], text, finish, self.result)
 
     def emit(self, chunk: StreamChunk) -> None:
         (self.sink or self.chunks.append)(chunk)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from cluster.core.draft_stop import DraftStop
 from cluster.core.sampling import (
     Rng,
     SamplingParams,
@@ -120,22 +121,24 @@ class BatchedHFWorker:
     def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
         return self.propose_batch([(rid, k)])[0]
 
-    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
-        return self.propose_adaptive_batch([(rid, k_max, head, threshold)])[0]
+    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float, eos: int | None = None
+                         ) -> tuple[list[int], torch.Tensor]:
+        return self.propose_adaptive_batch([(rid, k_max, head, threshold, eos)])[0]
 
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         return self.score_batch([(rid, draft)])[0]
 
     def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
         """Sample k_i tokens per row (max k_i forwards; rows drop out when done): tokens [k_i], logits [k_i, V]."""
-        return self._draft([(rid, k, None, 0.0) for rid, k in items])
+        return self._draft([(rid, k, None, None) for rid, k in items])
 
-    def propose_adaptive_batch(self, items: list[tuple[str, int, object, float]]
-                               ) -> list[tuple[list[int], torch.Tensor]]:
-        """SpecDec++ drafting (Huang et al. 2024, Algorithm 1) per row, as :meth:`HFWorker.propose_adaptive`:
-        the forward yielding q_i also yields the final hidden state e_{i-1} of candidate i-1; a row stops once
-        1 - prod sigmoid(head(e)) > its threshold, or at its k_max."""
-        return self._draft([(rid, k, resolve_head(head), thr) for rid, k, head, thr in items])
+    def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
+        """SpecDec++ drafting (Huang et al. 2024, Algorithm 1) per row (rid, k_max, head, threshold[, eos]): the
+        forward yielding q_i also yields the final hidden state e_{i-1} of candidate i-1, whose predicted
+        acceptance sigmoid(head(e_{i-1})) feeds the row's :class:`cluster.core.draft_stop.DraftStop`
+        (threshold, k_max, and a stop right after an EOS candidate)."""
+        return self._draft([(rid, k, resolve_head(head), DraftStop(thr, k, eos[0] if eos else None))
+                            for rid, k, head, thr, *eos in items])
 
     def score_batch(self, items: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         """Append each draft and run one forward; row i gets logits [L_i+1, V] (last context token re-fed)."""
@@ -167,10 +170,10 @@ class BatchedHFWorker:
             self._free.add(req.slot)
 
     def _draft(self, items) -> list[tuple[list[int], torch.Tensor]]:
-        """Rows (rid, k, head or None, threshold): one forward per step over the rows still drafting."""
+        """Rows (rid, k, head or None, DraftStop or None): one forward per step over the rows still drafting;
+        a row with a head stops by its rule, one without after k tokens."""
         reqs = [self._get(rid) for rid, *_ in items]
         out = [([], []) for _ in items]
-        keep = [1.0] * len(items)
         live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
         step = 0
         while live:
@@ -178,16 +181,16 @@ class BatchedHFWorker:
             res = self._forward([reqs[i] for i in live], hidden=any(items[i][2] is not None for i in live))
             done = set()
             for i, (lg, hid) in zip(live, res):
-                req, (_, k, head, thr) = reqs[i], items[i]
+                req, (_, k, head, rule) = reqs[i], items[i]
                 tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
                 req.tokens.append(tok)
                 out[i][0].append(tok)
                 out[i][1].append(lg[-1])
-                if head is not None and step >= 2:
-                    keep[i] *= head.accept_prob(hid[-1])             # e_{i-1}: candidate i-1
-                    if 1.0 - keep[i] > thr:
-                        done.add(i)
-                if step >= k:
+                if rule is None:
+                    stop = step >= k
+                else:                                                # e_{i-1}: candidate i-1's acceptance
+                    stop = rule.after(tok, head.accept_prob(hid[-1]) if step >= 2 and head is not None else None)
+                if stop:
                     done.add(i)
             live = [i for i in live if i not in done]
         return [(toks, torch.stack(lgs)) if lgs else ([], torch.empty(0, self.vocab_size)) for toks, lgs in out]

@@ -73,7 +73,8 @@ def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | 
         path = default_bigram_path(cfg)
         if not path.is_file():
             raise ConfigError(f"mag: no bigram table at {path}: run `specserve mag build-bigram`")
-        return MagHandle(vocab_size, load_bigram(path), name=name, max_ngram=cfg.mag.max_ngram)
+        return MagHandle(vocab_size, load_bigram(path), name=name, max_ngram=cfg.mag.max_ngram,
+                         occurrence=cfg.mag.occurrence)
     spec = cfg.models[name]
     if tp_size > 1:
         from transformers.distributed import DistributedConfig  # only where TP is used

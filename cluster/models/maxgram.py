@@ -36,7 +36,7 @@ class MagHandle:
     """
 
     def __init__(self, vocab_size: int, bigram: np.ndarray | None = None, *, name: str = "mag",
-                 max_ngram: int = DEFAULT_MAX_NGRAM, max_length: int = 1 << 30):
+                 max_ngram: int = DEFAULT_MAX_NGRAM, max_length: int = 1 << 30, occurrence: str = "recent"):
         self.name, self.vocab_size, self.max_length = name, int(vocab_size), max_length
         self.bigram = None if bigram is None else np.asarray(bigram, dtype=np.int64)
         if self.bigram is not None and (len(self.bigram) != self.vocab_size or
@@ -46,7 +46,8 @@ class MagHandle:
                              f"vocabulary size {self.vocab_size}")
         self.num_params = self.vocab_size
         self.deterministic = True          # one-hot proposals (see cluster.core.interfaces)
-        self.max_ngram = max_ngram
+        self.max_ngram, self.occurrence = max_ngram, occurrence       # see cluster.core.maxgram (0: uncapped)
+        MaxGramIndex((), max_ngram, occurrence)                         # validates both
         self._requests: dict[str, MaxGramIndex] = {}
 
     def _onehot(self, toks: list[int]) -> torch.Tensor:
@@ -61,7 +62,7 @@ class MagHandle:
     def prefill(self, rid: str, ids: list[int], sampling: SamplingParams | None = None, seed: int = 0) -> None:
         if not ids:
             raise ValueError("prefill needs at least one token")
-        self._requests[rid] = MaxGramIndex(ids, self.max_ngram)
+        self._requests[rid] = MaxGramIndex(ids, self.max_ngram, self.occurrence)
 
     def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
         idx = self._get(rid)

@@ -70,12 +70,14 @@ class Propose:
 @dataclass(frozen=True)
 class ProposeAdaptive:
     """SpecDec++ drafting with ``model``: at most ``k_max`` tokens, stopping by the acceptance ``head``'s
-    rule at ``threshold`` -> ``(tokens [K], raw logits [K, V])``."""
+    rule at ``threshold`` or right after an ``eos`` candidate (:class:`cluster.core.draft_stop.DraftStop`)
+    -> ``(tokens [K], raw logits [K, V])``."""
 
     model: str
     k_max: int
     head: Any
     threshold: float
+    eos: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class StepContext:
     tokens: list[int]          # committed sequence: prompt + tokens emitted so far
     budget: int                # the step may emit at most this many tokens (>= 1)
     planned_k: int | None = None   # draft length chosen by the engine's load-aware planner, if enabled
+    eos: int | None = None         # the token that ends this request (None: it ignores EOS)
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
 
     @property

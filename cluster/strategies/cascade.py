@@ -4,11 +4,17 @@
   the cascade's target distribution pi = T(q, p) (Narasimhan et al., *Faster Cascades via Speculative Decoding*,
   Algorithm 5; token-specific rules from the later version of the same paper, section 5).
 * ``lossy``          the same with pi = the lossy speculative sampling target (Narasimhan et al. 2024,
-  Faster Cascades, Table 1).
+  Faster Cascades, Table 1), beta solved per position (``beta=solve``, Tran-Thien 2023) or fixed
+  (``beta=1``: the paper's heuristic and main lossy baseline, section 2 and 6).
 * ``token_cascade``  the sequential token-level cascade TokenCascade[Chow] (Narasimhan et al. 2024, Faster Cascades,
   Algorithm 2): the drafter samples token by token; the target runs only when Chow's rule defers.
 * ``oracle_cascade`` the oracle cascade (Narasimhan et al. 2024, Faster Cascades, Algorithm 3): both models at every
   position, the token drawn from pi directly (a quality reference; one target call per token).
+
+Option ``bonus`` (``spec_cascade``, ``lossy``): where the whole draft is accepted, the bonus token is drawn
+from p at position t+gamma (``bonus=p``, the first version of Narasimhan et al., Algorithm 4, and the
+default: no extra forward pass) or from pi_{t+gamma} = T(q_{t+gamma}, p_{t+gamma}) (``bonus=pi``, the later
+version's Algorithm 4: one more drafter forward for q_{t+gamma}; then every emitted token follows pi).
 
 None of them is lossless (``lossless = False``): each is tested to emit exactly its own pi.
 Temperature / top-p follow Narasimhan et al., Faster Cascades (later version), appendix C: rules read the unscaled
@@ -21,14 +27,16 @@ import torch
 
 from cluster.core.cascade_targets import (
     ALPHA_RANGE,
+    BETA_SOLVE,
     RULES,
     cascade_target,
+    check_beta,
     defer_chow,
     deferral_rate,
     lossy_target,
 )
 from cluster.core.sampling import UNSCALED, logits_to_probs, sample
-from cluster.core.verify import gen_spec_verify
+from cluster.core.verify import gen_spec_prefix
 from cluster.errors import ParamError
 from cluster.strategies.base import (
     Option,
@@ -44,6 +52,25 @@ ALPHA = Option("alpha", float, 0.1,
                "cascade cost parameter: rules defer less as alpha grows (1 = never defer, -2 = always); "
                "lossy takes [0, 1), 0 = lossless", low=ALPHA_RANGE[0], high=ALPHA_RANGE[1])
 RULE = Option("rule", str, "opt", "deferral rule of the speculative cascade", choices=tuple(RULES))
+BONUS = Option("bonus", str, "p", "bonus token after a fully accepted draft: from p (first version of Narasimhan "
+               "et al., Algorithm 4) or pi (later version; one more drafter forward)", choices=("p", "pi"))
+
+
+def parse_beta(value):
+    """``solve`` or a number in (0, 1] (the strategy checks beta >= 1 - alpha)."""
+    if isinstance(value, str) and value.strip() == BETA_SOLVE:
+        return BETA_SOLVE
+    try:
+        beta = float(value)
+    except (TypeError, ValueError):
+        beta = None
+    if beta is None or isinstance(value, bool) or not 0.0 < beta <= 1.0:
+        raise ParamError("beta", f"'{BETA_SOLVE}' or a number in [1 - alpha, 1]", value)
+    return beta
+
+
+BETA = Option("beta", str, BETA_SOLVE, "lossy: beta solved per position (solve, Tran-Thien) or fixed in "
+              "[1 - alpha, 1] (1: the paper's heuristic)", parser=parse_beta)
 MAX_RUN = 32   # token_cascade: most drafter tokens one step emits without a deferral
 
 
@@ -59,30 +86,45 @@ class _Cascade(Strategy):
         return [self.target_name, self.drafter]
 
 
-def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn):
-    """One draft-score-GenSpecSample step with pi = target_fn(q, p, q_raw, p_raw) (``[k, V]`` each).
+def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn, bonus: str = "p"):
+    """One draft-score-GenSpecSample step with pi = target_fn(q, p, q_raw, p_raw) (``[n, V]`` each).
 
-    Drafts up to the whole remaining budget so every emitted token inside the budget sits at a draft
-    position (distributed as pi); a bonus token from p past the budget is cut by the engine.
+    Drafts up to the whole remaining budget.  A fully accepted draft gets a bonus token from p[k]
+    (``bonus="p"``) or from pi at position k+1 (``bonus="pi"``, after one drafter forward for q there);
+    none when the draft already fills the budget (it would be cut).
     """
     drafter, target = ctx.models[drafter_name], ctx.target
     draft, q_logits = yield Propose(drafter_name, k)               # [k], [k, V]
     ctx.stats.forward(drafter_name, len(draft))
     p_logits = yield Score(ctx.target_name, tuple(draft))          # [k+1, V]
     ctx.stats.forward(ctx.target_name, target=True)
+    k = len(draft)
     q, p = ctx.probs(q_logits), ctx.probs(p_logits)                # scaled: what is sampled
     pi = target_fn(q, p[:k], logits_to_probs(q_logits, UNSCALED), logits_to_probs(p_logits[:k], UNSCALED))
-    verdict = gen_spec_verify(draft, q, pi, p[k], ctx.rng)
-    ctx.stats.verification(len(draft), verdict.accepted)
-    ctx.commit([target, drafter], verdict.accepted, [verdict.next_token])
-    return draft[:verdict.accepted] + [verdict.next_token]
+    verdict = gen_spec_prefix(draft, q, pi, ctx.rng)
+    accepted = k if verdict is None else verdict.accepted
+    ctx.stats.verification(k, accepted)
+    if verdict is not None:
+        new = [verdict.next_token]
+    elif k >= ctx.budget:
+        new = []
+    elif bonus == "pi":
+        q_next = yield Score(drafter_name, ())                      # [1, V]: q(. | x_{<t+gamma})
+        ctx.stats.forward(drafter_name, 1)
+        pi_next = target_fn(ctx.probs(q_next), p[k:], logits_to_probs(q_next, UNSCALED),
+                            logits_to_probs(p_logits[k:], UNSCALED))
+        new = [sample(pi_next[0], ctx.rng)]
+    else:
+        new = [sample(p[k], ctx.rng)]
+    ctx.commit([target, drafter], accepted, new)
+    return draft[:accepted] + new
 
 
 @register
 class SpecCascade(_Cascade):
     name = "spec_cascade"
     help = "speculative cascade: GenSpecSample towards a deferral rule's mixture of drafter and target"
-    options = (DRAFTER, K, RULE, ALPHA)
+    options = (DRAFTER, K, RULE, ALPHA, BONUS)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
@@ -92,7 +134,7 @@ class SpecCascade(_Cascade):
         def fn(q, p, q_raw, p_raw):
             _record_deferrals(ctx, q, p, q_raw, p_raw, self.rule, self.alpha)
             return cascade_target(q, p, self.rule, self.alpha, q_raw, p_raw)
-        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn)
+        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"])
 
 
 def _record_deferrals(ctx: StepContext, q, p, q_raw, p_raw, rule: str, alpha: float) -> None:
@@ -105,18 +147,19 @@ def _record_deferrals(ctx: StepContext, q, p, q_raw, p_raw, rule: str, alpha: fl
 @register
 class Lossy(_Cascade):
     name = "lossy"
-    help = "lossy speculative sampling: accept w.p. min(1, p / ((1-alpha) q)), beta solved per position"
-    options = (DRAFTER, K, ALPHA)
+    help = "lossy speculative sampling: accept w.p. min(1, p / ((1-alpha) q)), beta solved per position or fixed"
+    options = (DRAFTER, K, ALPHA, BETA, BONUS)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
         if not 0.0 <= self.alpha < 1.0:
             raise ParamError("alpha", "number in [0, 1) for strategy lossy", self.alpha)
         self.k = opts["k"]
+        self.beta = opts["beta"] if opts["beta"] == BETA_SOLVE else check_beta(opts["beta"], self.alpha)
 
     def step(self, ctx: StepContext):
-        fn = lambda q, p, q_raw, p_raw: lossy_target(q, p, self.alpha)
-        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn)
+        fn = lambda q, p, q_raw, p_raw: lossy_target(q, p, self.alpha, self.beta)
+        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"])
 
 
 @register

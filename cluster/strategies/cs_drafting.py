@@ -12,16 +12,24 @@ drafter d_{j+1}.  Entries left of the diagonal (j < r) must be 0: a model drafts
 When model r builds its draft it walks its row left to right (horizontal cascade, section 3.2: larger
 drafters produce the earlier positions, smaller ones the later ones):
 
-* K[r][j] for a drafter that is not the last one = the number of *review steps* of d_{j+1}: each step
-  recursively builds d_{j+1}'s own draft from row j+1, scores it in one forward pass and appends the
-  accepted tokens plus one (so at least one token per step);
-* K[r][n-1] for the last drafter = the number of tokens it proposes in one call.
+* K[r][j] for a drafter that is not the last one counts d_{j+1}'s *review steps* (each step recursively
+  builds d_{j+1}'s own draft from row j+1, scores it in one forward pass and appends the accepted tokens
+  plus one, so at least one token per step), read by option ``kmatrix_unit``:
+  ``tokens`` (the paper's Algorithm "CascadeSpeculativeDraftingStep": "while curGen.length -
+  curPrefix.length is less than k_i"; the default): review steps until this column has added at least
+  K[r][j] tokens;
+  ``reviews`` (ours): exactly K[r][j] review steps -- the unit of :class:`cluster.core.cost_model.CascadeModel`,
+  so ``specserve tune`` picks K-matrices for it (an entry of 1 is one review step either way);
+* K[r][n-1] for the last drafter = the number of tokens it proposes in one call (either reading).
 
 Example (the paper's decoder-only setting): drafters ``[drafter-small, mag]`` with K = [[2, 10], [0, 10]]:
-the target reviews a draft made of 2 review steps of drafter-small (each over 10 MaG tokens) followed by
-10 more MaG tokens.  Drafts never exceed the tokens the request may still emit.
+the target reviews a draft made of drafter-small's review steps (each over 10 MaG tokens) until they have
+added at least 2 tokens (``kmatrix_unit=reviews``: exactly 2 steps), followed by 10 more MaG tokens.  Drafts
+never exceed the tokens the request may still emit.
 
-**Lenience** l >= 1 applies only where a drafter reviews, never the target (section 3.1):
+**Lenience** l >= 1 applies only where a drafter reviews, never the target (section 3.1); option
+``mag_lenience``: ``off`` (the paper's setting, appendix B: "we also avoid lenience between MaG and its
+reviewer"; the default) l = 1 where a neural drafter reviews Max-Gram tokens, ``on`` (ours) l there too:
 
 * greedy (temperature 0): a draft token x with proposal probability q(x) is accepted if it is the
   reviewer's argmax or q(x) <= l * p(x) (p: the reviewer's temperature-1 softmax); on rejection the
@@ -122,6 +130,11 @@ KMATRIX = Option("kmatrix", str, None, "K-matrix: row r = budgets when model r r
                  "column j = drafter j+1; rows ';'-separated, e.g. 2,10;0,10", parser=parse_kmatrix)
 LENIENCE = Option("lenience", float, 1.0, "lenience l >= 1 where a drafter reviews (never the target)",
                   low=1.0, high=1000.0)
+KMATRIX_UNIT = Option("kmatrix_unit", str, "tokens", "what K[r][j] of a reviewing drafter counts: tokens (review "
+                      "until the column added K[r][j] tokens: the paper's loop) or reviews (review steps: the unit "
+                      "specserve tune picks K for)", choices=("tokens", "reviews"))
+MAG_LENIENCE = Option("mag_lenience", str, "off", "apply lenience where a drafter reviews Max-Gram tokens: off (the "
+                      "paper's setting) or on", choices=("off", "on"))
 
 
 @register
@@ -129,7 +142,7 @@ class CSDrafting(Strategy):
     name = "cs_drafting"
     help = "Cascade Speculative Drafting: drafters review smaller drafters' drafts (vertical) and share " \
            "draft positions by size (horizontal); lossless at the target"
-    options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY)
+    options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY, KMATRIX_UNIT, MAG_LENIENCE)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
@@ -163,8 +176,9 @@ class CSDrafting(Strategy):
         return [self.target_name, *self.names]
 
     def step(self, ctx: StepContext):
-        run = _Cascade(ctx, self.names, self.K, self.lenience)
-        draft, qs = yield from run.draft(0, [], ctx.budget - 1)            # [L], L x [V]
+        run = _Cascade(ctx, self.names, self.K, self.lenience, self.opts["kmatrix_unit"] == "tokens",
+                       self.opts["mag_lenience"] == "on")
+        draft, qs, _ = yield from run.draft(0, [], ctx.budget - 1)         # [L], L x [V]
         run.sync(self.target_name, [])
         p = ctx.probs((yield Score(self.target_name, tuple(draft))))       # [L+1, V]
         ctx.stats.forward(self.target_name, target=True)
@@ -188,11 +202,14 @@ class _Cascade:
     """One CS Drafting step's recursion (Chen et al. 2024, CS Drafting, Algorithm "CascadeSpeculativeDraftingStep").
 
     ``tails[name]`` mirrors each handle's tokens beyond the committed sequence, so a model is brought
-    to any working sequence with one rollback + extend (:meth:`sync`) before it is used.
+    to any working sequence with one rollback + extend (:meth:`sync`) before it is used.  Drafts travel
+    as (tokens, their distributions, whether each came straight from the Max-Gram drafter).
     """
 
-    def __init__(self, ctx: StepContext, names, K, lenience: float):
+    def __init__(self, ctx: StepContext, names, K, lenience: float, token_budgets: bool = False,
+                 mag_lenience: bool = True):
         self.ctx, self.names, self.K, self.lenience = ctx, names, K, lenience
+        self.token_budgets, self.mag_lenience = token_budgets, mag_lenience
         self.base = len(ctx.tokens)
         self.tails: dict[str, list[int]] = {n: [] for n in (ctx.target_name, *names)}
         self.greedy = ctx.sampling.greedy
@@ -215,58 +232,62 @@ class _Cascade:
             h.extend(self.ctx.rid, list(work[c:]))
         self.tails[name] = list(work)
 
-    def draft(self, r: int, work: list[int], limit: int) -> tuple[list[int], list[torch.Tensor]]:
-        """The draft (tokens, their distributions [V]) that model r reviews, continuing ``work``:
-        row r of K walked left to right (horizontal cascade), at most ``limit`` tokens."""
+    def draft(self, r: int, work: list[int], limit: int):
+        """The draft that model r reviews, continuing ``work``: tokens, their distributions ``[V]`` and
+        Max-Gram flags; row r of K walked left to right (horizontal cascade), at most ``limit`` tokens."""
         toks: list[int] = []
         qs: list[torch.Tensor] = []
+        mag: list[bool] = []
         n = len(self.names)
         for j in range(r, n):
             budget = self.K[r][j]
             if budget <= 0 or len(toks) >= limit:
                 continue
             if j == n - 1:                                            # the bottom drafter proposes
-                t, q = yield from self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
-                toks += t
-                qs += q
-            else:
-                for _ in range(budget):                               # vertical cascade: d_{j+1} reviews
-                    if len(toks) >= limit:
-                        break
-                    t, q = yield from self.review(j + 1, work + toks, limit - len(toks))
-                    toks += t
-                    qs += q
-        return toks, qs
+                t, q, m = yield from self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
+                toks, qs, mag = toks + t, qs + q, mag + m
+                continue
+            steps = made = 0                                          # vertical cascade: d_{j+1} reviews
+            while len(toks) < limit and (made < budget if self.token_budgets else steps < budget):
+                t, q, m = yield from self.review(j + 1, work + toks, limit - len(toks))
+                toks, qs, mag = toks + t, qs + q, mag + m
+                steps, made = steps + 1, made + len(t)
+        return toks, qs, mag
 
-    def propose(self, name: str, work: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+    def propose(self, name: str, work: list[int], k: int):
         h = self.ctx.models[name]
         self.sync(name, work)
         toks, logits = yield Propose(name, k)                              # [k], [k, V]
         self.tails[name] = work + list(toks)
         self.ctx.stats.forward(name, 1 if _is_mag(h) else len(toks))
         q = self.dist(logits)
-        return list(toks), [q[i] for i in range(len(toks))]
+        return list(toks), [q[i] for i in range(len(toks))], [_is_mag(h)] * len(toks)
 
-    def review(self, m: int, work: list[int], limit: int) -> tuple[list[int], list[torch.Tensor]]:
+    def review(self, m: int, work: list[int], limit: int):
         """Drafter m (1-based) reviews the draft of the drafters below it in one forward pass and emits
-        the accepted tokens plus one, each with the distribution it was drawn from."""
+        the accepted tokens plus one, each with the distribution it was drawn from (none from MaG)."""
         name = self.names[m - 1]
-        d, dq = yield from self.draft(m, work, limit - 1)                   # [L], L x [V]
+        d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
         self.sync(name, work)
         logits = yield Score(name, tuple(d))                                # [L+1, V]
         self.tails[name] = work + d
         self.ctx.stats.forward(name, 1)
-        L, l = len(d), self.lenience
+        L = len(d)
+        lens = [1.0 if (mg and not self.mag_lenience) else self.lenience for mg in dm]   # l per position
         if self.greedy:
             pu = logits_to_probs(logits, UNSCALED)                          # [L+1, V]
             arg = logits.argmax(-1).tolist()
             for i, x in enumerate(d):
-                if not (arg[i] == x or float(dq[i][x]) <= l * float(pu[i, x])):
-                    return d[:i] + [arg[i]], [pu[j] for j in range(i + 1)]
-            return d + [arg[L]], [pu[j] for j in range(L + 1)]
+                if not (arg[i] == x or float(dq[i][x]) <= lens[i] * float(pu[i, x])):
+                    return d[:i] + [arg[i]], [pu[j] for j in range(i + 1)], [False] * (i + 1)
+            return d + [arg[L]], [pu[j] for j in range(L + 1)], [False] * (L + 1)
         p = self.ctx.probs(logits)                                          # [L+1, V]
         q = torch.stack(dq) if dq else p[:0]                               # [L, V]
-        pi = lossy_target(q, p[:L], 1.0 - 1.0 / l) if (l > 1.0 and L) else p[:L]
+        pi = p[:L]
+        if self.lenience > 1.0 and L:
+            lossy = lossy_target(q, p[:L], 1.0 - 1.0 / self.lenience)
+            keep = torch.tensor([v > 1.0 for v in lens])
+            pi = torch.where(keep[:, None], lossy, p[:L])
         v = gen_spec_verify(d, q, pi, p[L], self.ctx.rng)
         hand = [pi[i] for i in range(v.accepted)] + [p[L] if v.bonus else pi[v.accepted]]
-        return d[:v.accepted] + [v.next_token], hand
+        return d[:v.accepted] + [v.next_token], hand, [False] * (v.accepted + 1)

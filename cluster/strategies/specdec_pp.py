@@ -3,8 +3,11 @@ Algorithm 1): speculative sampling with an adaptive draft length.
 
 The drafter proposes until its acceptance-prediction head (:mod:`cluster.models.head`) predicts that
 some candidate is rejected with probability above ``threshold``, at most ``k_max`` tokens; then the
-target verifies as in plain speculative sampling.  The stopping rule looks only at the drafted tokens
-(a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early: fixed k = k_max.
+target verifies as in plain speculative sampling.  Drafting also stops right after an EOS candidate (the
+paper's footnote 1; not for a request that ignores EOS).  The stopping rule
+(:class:`cluster.core.draft_stop.DraftStop`, the one implementation the drafters run) looks only at the
+drafted tokens (a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early
+(but at EOS): fixed k = k_max.
 
 The head is chosen BY NAME: option ``head`` names a drafter whose acceptance head the served models carry
 (built with the zoo, ``specserve train-head``), i.e. the chosen drafter's own; default: the chosen drafter's.
@@ -73,8 +76,8 @@ class SpecDecPP(Strategy):
     def step(self, ctx: StepContext):
         drafter, target = ctx.models[self.drafter], ctx.target
         k = min(self.k_max, ctx.budget - 1)
-        draft, q_logits = (yield ProposeAdaptive(self.drafter, k, self.head, self.threshold)) if k > 0 \
-            else ([], None)                                                     # [K], [K, V]
+        draft, q_logits = (yield ProposeAdaptive(self.drafter, k, self.head, self.threshold, ctx.eos)) \
+            if k > 0 else ([], None)                                            # [K], [K, V]
         ctx.stats.forward(self.drafter, len(draft))
         p = ctx.probs((yield Score(self.target_name, tuple(draft))))           # [K+1, V]
         ctx.stats.forward(self.target_name, target=True)

@@ -15,7 +15,7 @@ from tests.support.exact import (
     VocabTokenizer,
     enumerate_outcomes,
     max_abs_diff,
-    run_step,
+    steps_law,
     target_joint,
 )
 
@@ -79,8 +79,7 @@ def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=
     """Exact distribution of the first ``n`` tokens of CS Drafting steps run with a fixed per-step
     ``budget`` (so every level drafts deeply; the engine would shrink it to the tokens left), over a
     tabular target, two tabular neural drafters (``large`` reviews ``small``, which reviews MaG) and MaG."""
-    from cluster.core.stats import RequestStats
-    from cluster.strategies import REGISTRY, StepContext, resolve_options
+    from cluster.strategies import resolve_options
     target = TabularModel("target", vocab, seed=seed)
     large = TabularModel("large", vocab, seed=seed + 100, zeros=True)
     small = TabularModel("small", vocab, seed=seed + 200, zeros=True)
@@ -89,19 +88,8 @@ def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=
     opts = resolve_options("cs_drafting", dict(drafters="large,small,mag", kmatrix=kmatrix, lenience=lenience), {})
     prompt = [0, 1, 0]
 
-    def run(rng):
-        strategy = REGISTRY["cs_drafting"](opts, models, "target")
-        for h in models.values():
-            h.prefill("r", prompt, sampling, 0)
-        ctx = StepContext("r", models, "target", sampling, rng, RequestStats(), list(prompt), budget)
-        out = []
-        while len(out) < n:
-            new = run_step(strategy.step(ctx), models, "r")
-            ctx.tokens.extend(new)
-            out.extend(new)
-        return tuple(out[:n])
-
-    return enumerate_outcomes(run), target_joint(target, prompt, n, sampling)
+    return (steps_law("cs_drafting", opts, models, "target", prompt, sampling, n, budget),
+            target_joint(target, prompt, n, sampling))
 
 
 @pytest.mark.parametrize("vocab,budget,kmatrix,lenience,sampling", [

@@ -225,3 +225,24 @@ def product(laws: list[dict]) -> dict:
     for law in laws:
         out = {o + (x,): w * v for o, w in out.items() for x, v in law.items()}
     return out
+
+
+def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sampling, n: int, budget: int) -> dict:
+    """The exact law of the first ``n`` tokens from repeated steps of strategy ``name`` (each step planned with
+    ``budget``), enumerating every random draw."""
+    from cluster.core.stats import RequestStats
+    from cluster.strategies import REGISTRY
+    from cluster.strategies.base import StepContext
+
+    def run(rng):
+        strategy = REGISTRY[name](opts, models, target)
+        for h in models.values():
+            h.prefill("r", prompt, sampling, 0)
+        ctx = StepContext("r", models, target, sampling, rng, RequestStats(), list(prompt), budget)
+        out = []
+        while len(out) < n:
+            new = run_step(strategy.step(ctx), models, "r")
+            ctx.tokens.extend(new)
+            out.extend(new)
+        return tuple(out[:n])
+    return enumerate_outcomes(run)
