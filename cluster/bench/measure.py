@@ -95,3 +95,17 @@ def proposal_latency(handle: MagHandle, sizes: Sequence[int] = (256, 1024, 4096)
         handle.release(rid)
         out[n] = float(np.median(times) * 1e6)
     return out
+
+
+# -- text quality ---------------------------------------------------------------------------------------
+def has_loop(token_ids: Sequence[int], n: int = 4, times: int = 3) -> bool:
+    """True when some ``n``-gram of ``token_ids`` occurs ``times`` or more times (overlaps counted): the
+    degenerate repetition (``re_re_re_re...``) that small greedy LMs fall into."""
+
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(token_ids) - n + 1):
+        g = tuple(token_ids[i:i + n])
+        counts[g] = counts.get(g, 0) + 1
+        if counts[g] >= times:
+            return True
+    return False

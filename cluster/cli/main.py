@@ -13,15 +13,15 @@ from cluster.cli.bench import cmd_bench
 from cluster.cli.cluster import add_cluster_commands, run_cluster_command
 from cluster.cli.common import EXIT_USAGE, configure_threads, load_built_config
 from cluster.cli.cs import add_cs_commands, run_cs_command
+from cluster.cli.demo import add_demo_command, cmd_demo
 from cluster.cli.loadtest import add_loadtest_command, cmd_loadtest
 from cluster.config.paths import default_cache_dir
 from cluster.core.sampling import SamplingParams
-from cluster.core.stats import RequestStats
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, ParamError, check_int
 from cluster.family import build_family
 from cluster.family.cache import load_manifest
-from cluster.family.corpus import heldout_prompts
+from cluster.family.evaluate import format_summary
 from cluster.local import build_engine
 from cluster.strategies import REGISTRY, all_options
 
@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     zb.add_argument("--cache-dir", help="default: $SPECSERVE_CACHE or ~/.cache/specserve")
     zb.add_argument("--force", action="store_true", help="rebuild even if cached")
     zb.add_argument("--seed", default="0")
-    zsub.add_parser("info", help="print the cached family's manifest").add_argument("--cache-dir")
+    info = zsub.add_parser("info", help="the cached family's sizes, losses, agreement and costs")
+    info.add_argument("--cache-dir")
+    info.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
 
     b = sub.add_parser("bench", help="benchmark strategies and Hugging Face peers side by side")
     _add_config(b)
@@ -77,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", help="load suite: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
 
-    d = sub.add_parser("demo", help="build the family if needed, complete held-out prompts, print stats")
-    _add_config(d)
-    d.add_argument("--prompts", default="4")
-    d.add_argument("--max-new-tokens", dest="max_new_tokens", default="48")
+    add_demo_command(sub, _add_config)
     add_cluster_commands(sub)                    # up, down, client
     add_cs_commands(sub)                         # train-head, tune, mag build-bigram
     add_loadtest_command(sub)                    # loadtest
@@ -171,32 +170,7 @@ def cmd_zoo(args) -> int:
     if manifest is None:
         print(f"specserve: no model family built in {cache}; run `specserve zoo build`", file=sys.stderr)
         return 1
-    print(json.dumps(manifest, indent=2))
-    return 0
-
-
-def cmd_demo(args) -> int:
-    """The README's main job: family (built if needed) -> held-out completions -> statistics."""
-    cfg = load_built_config(args.config)
-    n = check_int("prompts", args.prompts, 1, 64)
-    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
-    engine = build_engine(cfg)
-    prompts = heldout_prompts(engine.tokenizer, n)
-    totals = {}
-    for strategy in ("autoregressive", cfg.engine.strategy):
-        agg = RequestStats(strategy=strategy)
-        for i, pr in enumerate(prompts):
-            res = engine.generate(GenerationRequest(prompt_ids=pr["prompt_ids"], max_new_tokens=max_new,
-                                                    sampling=cfg.generation.sampling(), seed=i,
-                                                    strategy=strategy))
-            agg.merge(res.stats)
-            if strategy != "autoregressive" and i < 2:
-                print(f"--- held-out prompt {i} ---\n{pr['prompt'][-200:]}\033[1m{res.text}\033[0m\n")
-        totals[strategy] = agg
-        print(format_stats(agg))
-    ar, sp = totals["autoregressive"], totals[cfg.engine.strategy]
-    if ar.tokens_per_s:
-        print(f"speedup of {cfg.engine.strategy} over autoregressive: {sp.tokens_per_s / ar.tokens_per_s:.2f}x")
+    print(json.dumps(manifest, indent=2) if args.json else format_summary(manifest))
     return 0
 
 

@@ -8,7 +8,13 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 
 1. train a byte-level BPE tokenizer (``tokenizers``) on the train split;
    ``<|endoftext|>`` is BOS, EOS, PAD and the document separator;
-2. train ``target`` (a deep, narrow ``LlamaForCausalLM``) with cross-entropy;
+2. train ``target`` (a deep, narrow ``LlamaForCausalLM``) with cross-entropy.
+   At this scale progress is limited by optimizer steps, and two choices buy
+   the most per minute: forward passes under bfloat16 autocast (weights and
+   optimizer state stay float32; ~1.7x faster steps here), and untied input
+   and output embeddings trained at 25x the blocks' learning rate (each
+   embedding row sees few updates; held-out loss 4.22 vs 5.01 tied at 500
+   steps in the experiments behind the v2 preset);
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
    (KL to the target's soft labels mixed with a little CE, one shared target
    forward per batch).  ``drafter-large`` shares the target's width and starts
@@ -17,12 +23,14 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 4. evaluate every model on the held-out files: loss (nats/token), next-token
    accuracy, and *greedy agreement* with the target (fraction of held-out
    positions where ``argmax drafter == argmax target``, teacher-forced), and
-   measure the batch-1 single-token forward latency with a KV cache;
+   measure single-token forward latency with a KV cache (batch 1 at the build's
+   thread counts; batch 1 and 16 at one thread, the served setting, as each
+   model's *cost* relative to the target);
 5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
    write ``manifest.json``.
 
-Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v1`` or
-``~/.cache/specserve/zoo-v1``)::
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v2`` or
+``~/.cache/specserve/zoo-v2``)::
 
     cache_dir/
       manifest.json           # written last; its presence marks a complete build
@@ -52,59 +60,11 @@ from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.cache import _build_lock, load_manifest
 from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
 from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
-from cluster.family.presets import EOT, ModelSpec, ZooConfig
+from cluster.family.presets import EOT, PRESETS, ZooConfig
 from cluster.family.tokenizer import _encode_stream, train_tokenizer
 from cluster.family.train import _distill, _init_from_target, _make_model, _train_target
 
 __all__ = ["build_zoo"]
-
-
-PRESETS: dict[str, ZooConfig] = {
-    # ~7 min on 2 idle CPU cores.
-    "full": ZooConfig(
-        preset="full",
-        vocab_size=4096,
-        seq_len=256,
-        target=ModelSpec("target", hidden=192, layers=6, intermediate=512, heads=6, kv_heads=6),
-        drafters=(
-            ModelSpec("drafter-large", hidden=192, layers=2, intermediate=512, heads=6, kv_heads=6, init_from_target=True),
-            ModelSpec("drafter-small", hidden=64, layers=1, intermediate=192, heads=2, kv_heads=2),
-        ),
-        # at this scale progress is limited by the number of optimizer steps more
-        # than by tokens per step, so batches are small (4 x 256 tokens).
-        target_steps=800,
-        target_batch=4,
-        target_lr=2e-3,
-        distill_steps=600,
-        distill_batch=4,
-        distill_lr=2e-3,
-    ),
-    # seconds; for tests and smoke runs only (models are essentially untrained).
-    "tiny": ZooConfig(
-        preset="tiny",
-        vocab_size=300,
-        seq_len=32,
-        target=ModelSpec("target", hidden=64, layers=4, intermediate=128, heads=2, kv_heads=2),
-        drafters=(
-            ModelSpec("drafter-large", hidden=64, layers=1, intermediate=128, heads=2, kv_heads=2, init_from_target=True),
-            ModelSpec("drafter-small", hidden=16, layers=1, intermediate=32, heads=1, kv_heads=1),
-        ),
-        target_steps=4,
-        target_batch=4,
-        target_lr=3e-3,
-        distill_steps=3,
-        distill_batch=4,
-        distill_lr=3e-3,
-        max_train_chars=100_000,
-        eval_max_tokens=512,
-        eval_batch=4,
-        latency_rounds=1,
-        latency_iters=3,
-        latency_warmup=1,
-        latency_prompt=4,
-        max_position_embeddings=128,
-    ),
-}
 
 
 def _resolve_config(preset: str | ZooConfig) -> ZooConfig:
@@ -217,21 +177,24 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
     metrics = evaluate(models, held_stream, cfg, progress, max_threads=threads)
     eval_secs = time.perf_counter() - t0
     t0 = time.perf_counter()
-    thread_counts = sorted({threads, 1}, reverse=True)
-    latency_by_threads = {}
-    with _bar(progress, total=len(thread_counts), desc="latency", unit="setting") as bar:
-        for n in thread_counts:
+    # batch 1 at each thread count, then the serving setting (one thread) at each cost batch
+    settings = [(n, 1) for n in sorted({threads, 1}, reverse=True)] + [(1, b) for b in cfg.cost_batches if b != 1]
+    measured = {}
+    with _bar(progress, total=len(settings), desc="latency", unit="setting") as bar:
+        for n, b in settings:
             torch.set_num_threads(n)
-            latency_by_threads[n] = measure_latency(
+            measured[n, b] = measure_latency(
                 models,
                 rounds=cfg.latency_rounds,
                 iters=cfg.latency_iters,
                 warmup=cfg.latency_warmup,
                 prompt_len=cfg.latency_prompt,
+                batch=b,
             )
             bar.update(1)
     torch.set_num_threads(threads)
-    latency = latency_by_threads[threads]
+    latency = measured[threads, 1]
+    latency_by_batch = {b: measured[1, b] for b in cfg.cost_batches}
     lat_secs = time.perf_counter() - t0
 
     # ---- save
@@ -258,6 +221,9 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
                 "top1_acc": round(metrics[name]["top1_acc"], 4),
                 "agreement": round(metrics[name]["agreement"], 4),
                 "latency_ms": round(latency[name], 3),
+                "cost_vs_target": {
+                    str(b): round(lat[name] / lat["target"], 3) for b, lat in latency_by_batch.items()
+                },
                 "training": {**train_info[name], **init_info.get(name, {})},
             }
         )
@@ -302,8 +268,11 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
         "latency_definition": "median ms of one batch-1 single-token forward with KV cache, after warm-up",
         "latency_ms": {n: round(v, 3) for n, v in latency.items()},
         "latency_ms_by_threads": {
-            str(k): {n: round(v, 3) for n, v in lat.items()} for k, lat in latency_by_threads.items()
+            str(n): {m: round(v, 3) for m, v in lat.items()} for (n, b), lat in measured.items() if b == 1
         },
+        "latency_ms_by_batch": {str(b): {m: round(v, 3) for m, v in lat.items()} for b, lat in latency_by_batch.items()},
+        "cost_definition": "a model's ms per single-token forward over the target's, one torch thread (as served), "
+                           "at each batch size",
         "config": dataclasses.asdict(cfg),
         "models": entries,
     }

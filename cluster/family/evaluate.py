@@ -9,7 +9,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cluster.family.cache import model_entry
 from cluster.family.common import _bar, _ThreadTuner
 from cluster.family.presets import ZooConfig
 
@@ -59,12 +58,13 @@ def evaluate(
 
 
 def measure_latency(
-    models: dict, *, rounds: int = 5, iters: int = 30, warmup: int = 10, prompt_len: int = 32, vocab: int | None = None
+    models: dict, *, rounds: int = 5, iters: int = 30, warmup: int = 10, prompt_len: int = 32, vocab: int | None = None,
+    batch: int = 1,
 ) -> dict:
-    """Median wall time (ms) of one batch-1, single-token forward with a KV cache.
+    """Median wall time (ms) of one single-token forward of ``batch`` rows with a KV cache.
 
-    For each model a ``prompt_len``-token prompt is prefilled, then single
-    tokens are fed one at a time.  Models are measured in interleaved rounds
+    For each model ``batch`` prompts of ``prompt_len`` tokens are prefilled,
+    then one token per row is fed at a time.  Models are measured in interleaved rounds
     (``warmup`` untimed + ``iters`` timed calls per model per round, fresh
     cache each round) so CPU contention affects all of them alike.
     """
@@ -75,7 +75,7 @@ def measure_latency(
         for _ in range(rounds):
             for name, m in models.items():
                 v = vocab or m.config.vocab_size
-                ids = torch.randint(0, v, (1, prompt_len + warmup + iters), generator=gen)
+                ids = torch.randint(0, v, (batch, prompt_len + warmup + iters), generator=gen)
                 out = m(input_ids=ids[:, :prompt_len], use_cache=True)
                 pkv = out.past_key_values
                 for k in range(warmup + iters):
@@ -103,19 +103,22 @@ def _versions() -> dict:
 
 
 def format_summary(manifest: dict) -> str:
-    """A short human-readable table of a manifest."""
+    """A short human-readable table of a manifest: size, held-out loss, agreement, ms per call and the cost
+    of a call relative to the target's at each measured batch size (``-`` where an older build lacks it)."""
+    batches = list(manifest.get("latency_ms_by_batch", {}))
     lines = [
         f"specserve zoo v{manifest['zoo_version']} ({manifest['preset']}, seed {manifest['seed']}) "
         f"at {manifest.get('cache_dir', '?')} - built in {manifest['build_seconds']:.0f} s",
         f"{'model':<14}{'params':>9}{'layers':>7}{'hidden':>7}{'heldout_loss':>13}{'top1_acc':>9}"
-        f"{'agree':>7}{'ms/call':>9}{'x_target':>9}",
+        f"{'agree':>7}{'ms/call':>9}" + "".join(f"{'cost@' + b:>9}" for b in batches),
     ]
-    t_ms = model_entry(manifest, "target")["latency_ms"]
     for m in manifest["models"]:
         agree = "-" if m["name"] == "target" else f"{m['agreement']:.3f}"
+        costs = m.get("cost_vs_target", {})
         lines.append(
             f"{m['name']:<14}{m['params'] / 1e6:>8.2f}M{m['layers']:>7}{m['hidden']:>7}"
             f"{m['heldout_loss']:>13.3f}{m['top1_acc']:>9.3f}{agree:>7}{m['latency_ms']:>9.2f}"
-            f"{t_ms / m['latency_ms']:>9.2f}"
+            + "".join(f"{costs.get(b, float('nan')):>9.3f}" for b in batches)
         )
+    lines.append("cost@B: ms per call over the target's at batch B, one torch thread (as served)")
     return "\n".join(lines)

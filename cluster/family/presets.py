@@ -1,5 +1,6 @@
 """Build presets of the embedded family: :class:`ModelSpec` (one model's architecture), :class:`ZooConfig`
-(everything that determines a build, fingerprinted into the manifest), the model names and the EOT token."""
+(everything that determines a build, fingerprinted into the manifest), :data:`PRESETS` (``full``, the
+default family, and ``tiny``, for tests), the model names and the EOT token."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,8 @@ class ModelSpec:
     #: drafters only: start from a copy of the target's embeddings, norm, head
     #: and evenly spaced blocks (requires ``hidden`` == target hidden).
     init_from_target: bool = False
+    #: share the input embedding matrix with the LM head
+    tie_embeddings: bool = True
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class ZooConfig:
     warmup_frac: float = 0.05
     min_lr_frac: float = 0.1
     weight_decay: float = 0.1
+    #: forward passes during training under CPU autocast to bfloat16 ("bfloat16") or in float32; weights,
+    #: optimizer state and the saved checkpoints stay float32 either way
+    train_autocast: str = "float32"
+    #: learning-rate factor for the target's embeddings and LM head when the two are untied
+    embedding_lr_scale: float = 1.0
     grad_clip: float = 1.0
     # data
     max_train_chars: int | None = None  # None: the whole train split
@@ -62,6 +70,8 @@ class ZooConfig:
     latency_iters: int = 30
     latency_warmup: int = 10
     latency_prompt: int = 32
+    #: batch sizes at which each model's cost (ms per call over the target's) is measured
+    cost_batches: tuple[int, ...] = (1, 16)
     max_position_embeddings: int = 1024
     #: build fails if params(target) / params(smallest drafter) is below this
     min_param_ratio: float = 10.0
@@ -69,3 +79,61 @@ class ZooConfig:
     def fingerprint(self, seed: int) -> str:
         blob = json.dumps({"config": dataclasses.asdict(self), "seed": seed, "v": ZOO_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+PRESETS: dict[str, ZooConfig] = {
+    # v2: ~11 min on 2 idle CPU cores (16 min with a second build sharing them).  Chosen with
+    # experiments at 500 target steps (held-out loss: tied embeddings at lr 2e-3, 5.01; 4e-3, 5.17; 8e-3, 5.40;
+    # untied at 25-40x the blocks' lr, 4.22-4.24) and three full builds: a 12-layer target makes a 2-layer
+    # drafter-large cost <= 0.3 of a target call at batch 16 too (a 10-layer one: 0.29-0.31), a 1-layer
+    # drafter-large agreed on only 0.67 of positions, and a 1 x 64 drafter-small on 0.47.
+    "full": ZooConfig(
+        preset="full",
+        vocab_size=4096,
+        seq_len=256,
+        target=ModelSpec("target", hidden=192, layers=12, intermediate=512, heads=6, kv_heads=6, tie_embeddings=False),
+        drafters=(
+            ModelSpec("drafter-large", hidden=192, layers=2, intermediate=512, heads=6, kv_heads=6, init_from_target=True,
+                      tie_embeddings=False),
+            ModelSpec("drafter-small", hidden=80, layers=2, intermediate=224, heads=2, kv_heads=2),
+        ),
+        # at this scale progress is limited by the number of optimizer steps more
+        # than by tokens per step, so batches are small (4 x 256 tokens).
+        target_steps=1500,
+        target_batch=4,
+        target_lr=1.5e-3,
+        embedding_lr_scale=25.0,
+        train_autocast="bfloat16",
+        distill_steps=1000,
+        distill_batch=4,
+        distill_lr=2e-3,
+    ),
+    # seconds; for tests and smoke runs only (models are essentially untrained).
+    "tiny": ZooConfig(
+        preset="tiny",
+        vocab_size=300,
+        seq_len=32,
+        target=ModelSpec("target", hidden=64, layers=4, intermediate=128, heads=2, kv_heads=2, tie_embeddings=False),
+        drafters=(
+            ModelSpec("drafter-large", hidden=64, layers=1, intermediate=128, heads=2, kv_heads=2, init_from_target=True,
+                      tie_embeddings=False),
+            ModelSpec("drafter-small", hidden=16, layers=1, intermediate=32, heads=1, kv_heads=1),
+        ),
+        target_steps=4,
+        target_batch=4,
+        target_lr=3e-3,
+        distill_steps=3,
+        distill_batch=4,
+        distill_lr=3e-3,
+        max_train_chars=100_000,
+        eval_max_tokens=512,
+        eval_batch=4,
+        latency_rounds=1,
+        latency_iters=3,
+        latency_warmup=1,
+        latency_prompt=4,
+        max_position_embeddings=128,
+        train_autocast="bfloat16",   # the full preset's training paths, at toy scale
+        embedding_lr_scale=10.0,
+    ),
+}

@@ -25,7 +25,7 @@ def _make_model(spec: ModelSpec, cfg: ZooConfig, eot_id: int, seed: int):
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_embeddings,
         bos_token_id=eot_id,
         eos_token_id=eot_id,
         pad_token_id=eot_id,
@@ -77,12 +77,29 @@ def _lr_lambda(steps: int, warmup_frac: float, min_frac: float):
     return f
 
 
-def _optimizer(model, lr: float, steps: int, cfg: ZooConfig):
+def _autocast(cfg: ZooConfig):
+    """Forward passes of training in bfloat16 on CPU when the preset asks for it (about 1.7x faster steps
+    here); parameters, gradients and optimizer state stay float32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train_autocast == "bfloat16")
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+
+def _optimizer(model, lr: float, steps: int, cfg: ZooConfig, embedding_lr_scale: float = 1.0):
+    """AdamW with decoupled weight decay on matrices only; untied embeddings and LM head get
+    ``embedding_lr_scale`` times the learning rate and no weight decay (as in the target's pre-training:
+    each row of them sees few updates, so a small shared learning rate leaves them behind the blocks)."""
+
+    embed = set()
+    if not model.config.tie_word_embeddings:
+        embed = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    params = list(model.named_parameters())
+    decay = [p for n, p in params if p.ndim >= 2 and id(p) not in embed]
+    no_decay = [p for n, p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if embed:
+        groups.append({"params": [p for n, p in params if id(p) in embed], "weight_decay": 0.0,
+                       "lr": lr * embedding_lr_scale})
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        groups,
         lr=lr,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -97,14 +114,15 @@ def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_
     tuner = _ThreadTuner(max_threads)
     model.train()
     model.config.use_cache = False
-    opt, sched = _optimizer(model, cfg.target_lr, cfg.target_steps, cfg)
+    opt, sched = _optimizer(model, cfg.target_lr, cfg.target_steps, cfg, cfg.embedding_lr_scale)
     t0 = time.perf_counter()
     ema = None
     with _bar(progress, total=cfg.target_steps, desc="train target", unit="step") as bar:
         for x in _batches(stream, cfg.target_batch, cfg.seq_len, cfg.target_steps, seed):
             with tuner:
-                logits = model(input_ids=x[:, :-1], use_cache=False).logits
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+                with _autocast(cfg):
+                    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -153,15 +171,17 @@ def _distill(
             with tuner:
                 inp, y = x[:, :-1], x[:, 1:].reshape(-1)
                 t0 = time.perf_counter()
-                with torch.no_grad():
-                    t_logits = target(input_ids=inp, use_cache=False).logits
+                with torch.no_grad(), _autocast(cfg):
+                    t_logits = target(input_ids=inp, use_cache=False).logits.float()
                     t_logp = F.log_softmax(t_logits.reshape(-1, t_logits.size(-1)) / tau, dim=-1)
                     t_p = t_logp.exp()
                 t_target += time.perf_counter() - t0
                 for name, d in drafters.items():
                     t0 = time.perf_counter()
                     opt, sched = opts[name]
-                    logits = d(input_ids=inp, use_cache=False).logits.reshape(-1, t_logp.size(-1))
+                    with _autocast(cfg):
+                        logits = d(input_ids=inp, use_cache=False).logits
+                    logits = logits.float().reshape(-1, t_logp.size(-1))
                     d_logp = F.log_softmax(logits / tau, dim=-1)
                     kl = (t_p * (t_logp - d_logp)).sum(-1).mean() * tau * tau
                     loss = w * kl + (1 - w) * F.cross_entropy(logits, y) if w < 1 else kl

@@ -110,9 +110,11 @@ def test_tiny_build_produces_loadable_checkpoints(tiny_zoo):
         for key in ("params", "layers", "hidden", "heldout_loss", "latency_ms", "agreement"):
             assert key in m
         assert m["latency_ms"] > 0 and m["heldout_loss"] > 0
+        assert set(m["cost_vs_target"]) == {"1", "16"} and all(c > 0 for c in m["cost_vs_target"].values())
         tok = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d)
         assert type(model).__name__ == "LlamaForCausalLM"
+        assert model.config.tie_word_embeddings == (m["name"] == "drafter-small")  # the preset's choice
         assert model.config.eos_token_id == tok.eos_token_id == manifest["tokenizer"]["eos_token_id"]
         assert model.config.bos_token_id == tok.bos_token_id
         ids = tok("def foo(x):\n    return", return_tensors="pt", add_special_tokens=False).input_ids
@@ -158,3 +160,17 @@ def test_full_preset_meets_size_ratio():
     sizes = [_n_params(_make_model(s, cfg, 0, 0)) for s in (cfg.target, *cfg.drafters)]
     assert sizes[0] >= cfg.min_param_ratio * min(sizes[1:])
     assert cfg.target.layers >= 3 * max(d.layers for d in cfg.drafters)
+
+
+def test_zoo_info_prints_the_table_or_the_manifest(tiny_zoo, capsys):
+    from cluster.cli.main import main
+
+    cache, manifest, _ = tiny_zoo
+    assert main(["zoo", "info", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "cost@1" in out and "cost@16" in out
+    row = next(line for line in out.splitlines() if line.startswith("drafter-large"))
+    entry = next(m for m in manifest["models"] if m["name"] == "drafter-large")
+    assert row.split()[-2:] == [f"{entry['cost_vs_target'][b]:.3f}" for b in ("1", "16")]
+    assert main(["zoo", "info", "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fingerprint"] == manifest["fingerprint"]
