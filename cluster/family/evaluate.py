@@ -118,7 +118,7 @@ def format_summary(manifest: dict) -> str:
         lines.append(
             f"{m['name']:<14}{m['params'] / 1e6:>8.2f}M{m['layers']:>7}{m['hidden']:>7}"
             f"{m['heldout_loss']:>13.3f}{m['top1_acc']:>9.3f}{agree:>7}{m['latency_ms']:>9.2f}"
-            + "".join(f"{costs.get(b, float('nan')):>9.3f}" for b in batches)
+            + "".join(f"{costs[b]:>9.3f}" if b in costs else f"{'-':>9}" for b in batches)
         )
     lines.append("cost@B: ms per call over the target's at batch B, one torch thread (as served)")
     return "\n".join(lines)

@@ -76,6 +76,10 @@ class ZooConfig:
     #: build fails if params(target) / params(smallest drafter) is below this
     min_param_ratio: float = 10.0
 
+    def __post_init__(self):
+        if self.train_autocast not in ("float32", "bfloat16"):
+            raise ValueError(f"train_autocast must be 'float32' or 'bfloat16', got {self.train_autocast!r}")
+
     def fingerprint(self, seed: int) -> str:
         blob = json.dumps({"config": dataclasses.asdict(self), "seed": seed, "v": ZOO_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

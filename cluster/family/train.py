@@ -85,8 +85,8 @@ def _autocast(cfg: ZooConfig):
 
 def _optimizer(model, lr: float, steps: int, cfg: ZooConfig, embedding_lr_scale: float = 1.0):
     """AdamW with decoupled weight decay on matrices only; untied embeddings and LM head get
-    ``embedding_lr_scale`` times the learning rate and no weight decay (as in the target's pre-training:
-    each row of them sees few updates, so a small shared learning rate leaves them behind the blocks)."""
+    ``embedding_lr_scale`` times the learning rate and no weight decay (each of their rows sees few
+    updates, so the blocks' learning rate leaves them behind)."""
 
     embed = set()
     if not model.config.tie_word_embeddings:

@@ -174,3 +174,12 @@ def test_zoo_info_prints_the_table_or_the_manifest(tiny_zoo, capsys):
     assert row.split()[-2:] == [f"{entry['cost_vs_target'][b]:.3f}" for b in ("1", "16")]
     assert main(["zoo", "info", "--cache-dir", str(cache), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fingerprint"] == manifest["fingerprint"]
+
+
+def test_preset_rejects_unknown_training_dtype():
+    import dataclasses
+
+    from cluster.family.build import PRESETS
+
+    with pytest.raises(ValueError, match="train_autocast.*'float16'"):
+        dataclasses.replace(PRESETS["tiny"], train_autocast="float16")
