@@ -37,7 +37,7 @@ def test_cli_stages_over_grpc_and_http(served, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "cluster.cli.main", "loadtest", "--config", "configs/tiny.yaml",
            "--grpc", t.grpc, "--http", t.http, "--app", t.app, "--prompts", "4",
-           "--stages", "c=2:5s:max=6,rate=4:5s:max=6:protocol=http", "--max-new-tokens", "8", "--temperature", "0",
+           "--stages", "c=2:120s:max=6,rate=4:120s:max=6:protocol=http", "--max-new-tokens", "8", "--temperature", "0",
            "--ignore-eos", "--greedy-check", "--out", str(out), "--no-progress", "--fail-on-error"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
