@@ -38,8 +38,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     engine = build_engine(cfg)
     prompts = heldout_prompts(engine.tokenizer, n)
     strategies = ("autoregressive", cfg.engine.strategy)
+    sampled = f"T={demo.temperature:g} top_p={demo.top_p:g}"
     outputs: dict[tuple[str, str], list] = {}
-    for label, sampling in (("greedy", SamplingParams(0.0)), (f"T={demo.temperature:g} top_p={demo.top_p:g}", demo)):
+    for label, sampling in (("greedy", SamplingParams(0.0)), (sampled, demo)):
         for strategy in strategies:
             agg = RequestStats(strategy=strategy)
             outputs[label, strategy] = []
@@ -54,7 +55,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   f"completions with a loop (a 4-gram 3+ times): {loops}/{len(prompts)}")
     same = sum(a.token_ids == b.token_ids for a, b in zip(*(outputs["greedy", s] for s in strategies)))
     print(f"greedy {cfg.engine.strategy} == greedy autoregressive on {same}/{len(prompts)} prompts")
-    for i, (pr, res) in enumerate(zip(prompts[:2], outputs[label, cfg.engine.strategy])):
-        print(f"--- held-out prompt {i} ({label}, {cfg.engine.strategy}) ---\n{pr['prompt'][-200:]}"
+    for i, (pr, res) in enumerate(zip(prompts[:2], outputs[sampled, cfg.engine.strategy])):
+        print(f"--- held-out prompt {i} ({sampled}, {cfg.engine.strategy}) ---\n{pr['prompt'][-200:]}"
               f"\033[1m{res.text}\033[0m\n")
     return 0

@@ -86,7 +86,7 @@ class ZooConfig:
 
 
 PRESETS: dict[str, ZooConfig] = {
-    # v2: ~11 min on 2 idle CPU cores (16 min with a second build sharing them).  Chosen with
+    # v2: ~10 min on 2 idle CPU cores (16 min with a second build sharing them).  Chosen with
     # experiments at 500 target steps (held-out loss: tied embeddings at lr 2e-3, 5.01; 4e-3, 5.17; 8e-3, 5.40;
     # untied at 25-40x the blocks' lr, 4.22-4.24) and three full builds: a 12-layer target makes a 2-layer
     # drafter-large cost <= 0.3 of a target call at batch 16 too (a 10-layer one: 0.29-0.31), a 1-layer
