@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, load, main, verify
+from cluster.bench import cascades, cluster, cs, load, main, served, verify
 
 SUITES = {
     "main": main.run,
@@ -13,4 +13,5 @@ SUITES = {
     "cascades": cascades.run_cascades,
     "cs": cs.run,
     "load": load.run,
+    "served": served.run,
 }

@@ -76,8 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
     b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
     b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
-    b.add_argument("--concurrency", help="load suite: comma-separated client counts (default 1,2,4,8,16,32)")
+    b.add_argument("--concurrency",
+                   help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
+    b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, mag, "
+                   "cs_drafting (default all the config serves)")
+    b.add_argument("--requests-per-client", dest="requests_per_client",
+                   help="served suite: requests per client per cell (default: max(2c, 8) requests per cell)")
+    b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "
+                   "(default 3600)")
 
     add_demo_command(sub, _add_config)
     add_cluster_commands(sub)                    # up, down, client

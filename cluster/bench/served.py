@@ -1,0 +1,341 @@
+"""``specserve bench --suite served``: every strategy as a user meets it, through gRPC, vs concurrency.
+
+The suite starts its own cluster: a local Ray (unless the caller already started one) and the Serve
+application of the config (:func:`cluster.serving.app.start_serve`) with ``cluster.topology`` forced to
+``separated`` and the gRPC/HTTP proxies on free 127.0.0.1 ports; it waits for the health service to say
+SERVING and shuts Serve (and the Ray it started) down at the end, on errors and Ctrl-C too.  All traffic
+goes to 127.0.0.1.
+
+Rows (``--strategies``, default all the config can serve): ``autoregressive``; ``default`` (a request
+naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
+(drafter-large, or the config's default drafter, k=4); ``mag`` (Max-Gram drafter, k=4) and
+``cs_drafting`` (default options).  At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32,
+clamped to ``engine.max_batch + engine.max_queue``) every row runs one cell in turn (interleaved, so a
+noisy machine affects them alike): ``c`` client threads send streaming requests (``GenerateStream``)
+back to back over the held-out prompts, ``c * --requests-per-client`` requests per cell (default
+``max(2c, 8)``), greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request generates the same
+number of tokens.  One untimed warm-up request per row first.
+
+Per cell: output tokens/s (generated tokens / wall time of the cell, first submit to last chunk), its
+ratio to autoregressive at the same ``c``, TTFT p50/p99 (submit -> first chunk with tokens), TPOT p50/p99
+(per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status.  At ``c = 1`` each row also
+runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
+counts) right after its served cell, for the ``cluster_vs_in_process`` column.  Every greedy output, served
+and in-process, is checked against autoregressive's for the same prompt; any mismatch is printed and makes
+the exit code 1.  Writes ``bench_served.{csv,json,png}`` to ``--out``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.bench.report import print_table, write_results
+from cluster.bench.served_cells import Cell, in_process_cell, served_cell
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ParamError, check_float, check_int
+from cluster.family.corpus import heldout_prompts
+from cluster.local import build_engine
+from cluster.serving.app import start_serve
+from cluster.serving.client import SpecServeClient
+
+ROWS = ("autoregressive", "default", "speculative", "mag", "cs_drafting")
+LEVELS = (1, 2, 4, 8, 16, 32)
+K = 4
+PREFERRED_DRAFTER = "drafter-large"
+WARMUP_TOKENS = 4
+REQUEST_TIMEOUT_S = 300.0        # one gRPC request; a stuck server fails it as DEADLINE_EXCEEDED
+READY_TIMEOUT_S = 600.0
+DEFAULT_TIME_LIMIT_S = 3600.0    # no new cell starts after this long (the table says what was left out)
+MAX_PRINTED_MISMATCHES = 20
+
+
+# -- what to run ------------------------------------------------------------------------------------
+def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
+    """Row name -> (strategy sent, options sent); the ``default`` row names neither."""
+    drafters = cfg.drafters
+    drafter = PREFERRED_DRAFTER if PREFERRED_DRAFTER in drafters else cfg.engine.options.get("drafter")
+    return {"autoregressive": ("autoregressive", {}),
+            "default": (None, {}),
+            "speculative": ("speculative", {"k": K, **({"drafter": drafter} if drafter else {})}),
+            "mag": ("mag", {"k": K}),
+            "cs_drafting": ("cs_drafting", {})}
+
+
+def parse_strategies(text) -> list[str]:
+    """``"speculative,mag"`` -> rows in :data:`ROWS` order; autoregressive is always added (the reference)."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names or any(n not in ROWS for n in names):
+        raise ParamError("strategies", "comma-separated of " + ", ".join(ROWS), text)
+    return [r for r in ROWS if r in names or r == "autoregressive"]
+
+
+def parse_levels(text, cap: int) -> tuple[list[int], str | None]:
+    """``"1,2,4"`` -> sorted distinct levels, each clamped to ``cap``; plus a note when any was clamped."""
+    try:
+        levels = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text) from None
+    if not levels:
+        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text)
+    levels = [check_int("concurrency", c, 1, 1024) for c in levels]
+    over = sorted({c for c in levels if c > cap})
+    note = (f"concurrency {', '.join(map(str, over))} clamped to {cap} = engine.max_batch + engine.max_queue "
+            f"(more clients would be refused with RESOURCE_EXHAUSTED)") if over else None
+    return sorted({min(c, cap) for c in levels}), note
+
+
+def servable(engine, specs: dict, names: list[str]) -> list[str]:
+    """The rows the config's models can serve (checked in-process; the served engine is built alike)."""
+    out = []
+    for name in names:
+        strategy, opts = specs[name]
+        try:
+            engine.prepare(GenerationRequest(prompt_ids=[0], max_new_tokens=1, strategy=strategy, options=opts))
+            out.append(name)
+        except ParamError as e:
+            print(f"[bench served: row {name} skipped: {e}]")
+    return out
+
+
+# -- the cluster ------------------------------------------------------------------------------------
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def served_config(cfg):
+    """``cfg`` with the separated topology and the proxies on free 127.0.0.1 ports."""
+    grpc_port, http_port = _free_ports(2)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, topology="separated", grpc_port=grpc_port, http_port=http_port, http_host="127.0.0.1"))
+
+
+# -- the suite --------------------------------------------------------------------------------------
+@dataclass
+class Results:
+    table: list[dict]
+    cells: dict[tuple[str, str, int], Cell]      # (runtime, row, c)
+    mismatches: list[tuple]
+    rows: list[str]
+    levels: list[int]
+
+
+def collect(args, cfg) -> Results:
+    """Measure, print the table, write ``bench_served.{csv,json,png}`` to ``args.out``."""
+    import ray
+    from ray import serve
+
+    n_prompts = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    if check_float("temperature", getattr(args, "temperature", 0) or 0, 0.0, 100.0) != 0:
+        print("[bench served: greedy only (outputs are checked against autoregressive); --temperature ignored]")
+    cap = cfg.engine.max_batch + cfg.engine.max_queue
+    levels, note = parse_levels(getattr(args, "concurrency", None) or ",".join(map(str, LEVELS)), cap)
+    if note:
+        print(f"[bench served: {note}]")
+    rpc = getattr(args, "requests_per_client", None)
+    rpc = check_int("requests_per_client", rpc, 1, 10_000) if rpc is not None else None
+    time_limit = check_float("time_limit", getattr(args, "time_limit", None) or DEFAULT_TIME_LIMIT_S, 1.0, 1e6)
+    specs = row_specs(cfg)
+    wanted = parse_strategies(getattr(args, "strategies", None) or ",".join(ROWS))
+
+    t0 = time.perf_counter()
+    engine = build_engine(cfg)
+    prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
+    rows = servable(engine, specs, wanted)
+    legend = "; ".join(f"{r} = {_describe(r, specs[r], cfg)}" for r in rows)
+    print(f"[bench served: in-process engine built in {time.perf_counter() - t0:.1f}s; rows: {legend}]")
+    if cfg.cluster.topology != "separated":
+        print(f"[bench served: topology {cfg.cluster.topology} in the config; this suite serves `separated`]")
+    scfg = served_config(cfg)
+
+    cells: dict[tuple[str, str, int], Cell] = {}
+    started_ray = serve_up = False
+    client = None
+    try:
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+        t0 = time.perf_counter()
+        serve_up = True                      # from here on, shut Serve down whatever happens
+        start_serve(scfg)
+        address = f"127.0.0.1:{scfg.cluster.grpc_port}"
+        client = SpecServeClient(address, app=scfg.cluster.app_name, timeout=REQUEST_TIMEOUT_S, api_key="")
+        client.wait_ready(READY_TIMEOUT_S)
+        print(f"[bench served: cluster up at {address} in {time.perf_counter() - t0:.1f}s "
+              f"(topology separated, engine.max_batch {cfg.engine.max_batch})]")
+        for name in rows:                    # warm-up, untimed: one short request per row and runtime
+            strategy, opts = specs[name]
+            served_cell(client, prompts, 1, 1, min(WARMUP_TOKENS, max_new), strategy, opts)
+            in_process_cell(engine, prompts, 1, min(WARMUP_TOKENS, max_new), strategy, opts)
+        n_cells = len(levels) * len(rows) + (len(rows) if 1 in levels else 0)
+        bar = tqdm(total=n_cells, desc="bench served", unit="cell")
+        start, skipped = time.perf_counter(), 0
+        for c in levels:
+            n = c * rpc if rpc else max(2 * c, 8)
+            for name in rows:
+                if time.perf_counter() - start > time_limit:
+                    skipped += 1 + (c == 1)
+                    continue
+                strategy, opts = specs[name]
+                bar.set_postfix_str(f"c={c} {name}")
+                recs, secs = served_cell(client, prompts, n, c, max_new, strategy, opts)
+                cells[("served", name, c)] = Cell(name, c, "served", recs, secs)
+                bar.update()
+                if c == 1:                   # in-process right after, on the same prompts
+                    bar.set_postfix_str(f"c=1 {name} in-process")
+                    recs, secs = in_process_cell(engine, prompts, n, max_new, strategy, opts)
+                    cells[("in-process", name, 1)] = Cell(name, 1, "in-process", recs, secs)
+                    bar.update()
+        bar.close()
+        if skipped:
+            print(f"[bench served: --time-limit {time_limit:g}s reached; {skipped} cells not run]")
+    finally:
+        if client is not None:
+            client.close()
+        if serve_up:
+            try:
+                serve.shutdown()
+            except Exception as e:           # noqa: BLE001 - still shut Ray down; say what failed
+                print(f"[bench served: serve.shutdown() failed: {type(e).__name__}: {e}]")
+        if started_ray:
+            ray.shutdown()
+
+    mismatches = check_outputs(cells)
+    table = make_table(cells, rows, levels, mismatches)
+    title = (f"served: gRPC streaming, separated topology, closed loop, {len(prompts)} held-out prompts x "
+             f"{max_new} tokens, greedy, ignore_eos, config {cfg.source}; ttft/tpot in ms; "
+             f"cluster_vs_in_process at c=1")
+    print_table(table, title)
+    out = Path(args.out)
+    write_results(table, out, "bench_served")
+    plot(cells, rows, levels, out / "bench_served.png")
+    print(f"results written to {out / 'bench_served'}.{{csv,json,png}}")
+    checked = sum(len(cl.ok) for cl in cells.values())
+    print(f"lossless (greedy): {checked - len(mismatches)}/{checked} outputs equal autoregressive's for the "
+          f"same prompt" + ("" if not mismatches else "  <-- MISMATCH"))
+    for runtime, name, c, j, p, pos, want, got in mismatches[:MAX_PRINTED_MISMATCHES]:
+        print(f"  mismatch: {runtime} {name} c={c} request {j} (prompt {p}): first difference at token {pos}: "
+              f"expected {want}, got {got}")
+    if len(mismatches) > MAX_PRINTED_MISMATCHES:
+        print(f"  ... and {len(mismatches) - MAX_PRINTED_MISMATCHES} more")
+    failed = {k: v for cl in cells.values() for k, v in cl.failures().items()}
+    if failed:
+        print(f"WARNING: failed requests by gRPC status: {failed}")
+    return Results(table, cells, mismatches, rows, levels)
+
+
+def run(args, cfg) -> int:
+    return 1 if collect(args, cfg).mismatches else 0
+
+
+def _describe(name: str, spec: tuple, cfg) -> str:
+    strategy, opts = spec
+    if strategy is None:
+        strategy, opts = cfg.engine.strategy, dict(cfg.engine.options)
+    return strategy + (" " + " ".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+
+
+def check_outputs(cells) -> list[tuple]:
+    """Every successful output vs the reference for its prompt: the first autoregressive output for that
+    prompt (served cells first, then in-process).  Returns (runtime, row, c, request, prompt, first
+    differing position, expected token, got token) per mismatch."""
+    ref: dict[int, list[int]] = {}
+    order = sorted(cells.values(), key=lambda cl: (cl.runtime != "served", cl.row != "autoregressive", cl.c))
+    for cl in order:
+        if cl.row == "autoregressive":
+            for r in cl.ok:
+                ref.setdefault(r.prompt, r.token_ids)
+    out = []
+    for cl in order:
+        for j, r in enumerate(cl.recs):
+            want = ref.get(r.prompt)
+            if r.error is not None or want is None or r.token_ids == want:
+                continue
+            pos = next((i for i, (a, b) in enumerate(zip(want, r.token_ids)) if a != b), min(len(want),
+                                                                                           len(r.token_ids)))
+            out.append((cl.runtime, cl.row, cl.c, j, r.prompt, pos, want[pos] if pos < len(want) else None,
+                        r.token_ids[pos] if pos < len(r.token_ids) else None))
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def make_table(cells, rows, levels, mismatches) -> list[dict]:
+    bad: dict[tuple[str, int], int] = {}
+    for runtime, name, c, *_ in mismatches:
+        bad[(name, c)] = bad.get((name, c), 0) + 1
+    table = []
+    for c in levels:
+        ar = cells.get(("served", "autoregressive", c))
+        for name in rows:
+            m = cells.get(("served", name, c))
+            if m is None:
+                continue
+            ip = cells.get(("in-process", name, c))
+            ok = m.ok
+            fails = m.failures()
+            table.append({
+                "strategy": name, "concurrency": c, "requests": len(m.recs), "tokens": m.tokens,
+                "seconds": round(m.seconds, 3), "tok_s": round(m.tok_s, 1),
+                "vs_autoregressive": round(m.tok_s / ar.tok_s, 3) if ar and ar.tok_s else None,
+                "ttft_p50": round(1e3 * _pct([r.ttft for r in ok], 50), 2),
+                "ttft_p99": round(1e3 * _pct([r.ttft for r in ok], 99), 2),
+                "tpot_p50": round(1e3 * _pct([r.tpot for r in ok], 50), 2),
+                "tpot_p99": round(1e3 * _pct([r.tpot for r in ok], 99), 2),
+                "in_process_tok_s": round(ip.tok_s, 1) if ip else None,
+                "cluster_vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None,
+                "mismatches": bad.get((name, c), 0),
+                "failures": sum(fails.values()),
+                "failed_by_status": " ".join(f"{k}:{v}" for k, v in sorted(fails.items())) or None})
+    return table
+
+
+def plot(cells, rows, levels, path: Path) -> None:
+    """Two panels vs concurrency (log2 x), a line per row: served tok/s (in-process c=1 as an x), and the
+    ratio to autoregressive at the same concurrency with a dashed line at 1.0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in rows:
+        pts = [(c, cells[("served", name, c)]) for c in levels if ("served", name, c) in cells]
+        if not pts:
+            continue
+        line, = ax1.plot([c for c, _ in pts], [m.tok_s for _, m in pts], "-", marker="o", label=name)
+        ip = cells.get(("in-process", name, 1))
+        if ip is not None:
+            ax1.plot([1], [ip.tok_s], "x", color=line.get_color(), markersize=9)
+        ratio = [(c, m.tok_s / cells[("served", "autoregressive", c)].tok_s) for c, m in pts
+                 if ("served", "autoregressive", c) in cells and cells[("served", "autoregressive", c)].tok_s]
+        ax2.plot([c for c, _ in ratio], [r for _, r in ratio], "-", marker="o", color=line.get_color(), label=name)
+    ax2.axhline(1.0, linestyle="--", color="gray", linewidth=1)
+    for ax, ylabel in ((ax1, "output tokens/s (x: in-process, c=1)"), (ax2, "tokens/s / autoregressive's")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.set_xlabel("concurrency (closed-loop gRPC clients)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax1.set_title("served throughput (separated topology)")
+    ax2.set_title("ratio to autoregressive, same concurrency")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

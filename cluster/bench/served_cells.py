@@ -1,0 +1,139 @@
+"""The served suite's cells (:mod:`cluster.bench.served`): ``c`` closed-loop gRPC streaming clients, or the
+same requests one after another on the in-process engine; per request its submit, first-token and end times,
+its tokens or its gRPC status."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cluster.core.sampling import SamplingParams
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ParamError
+from cluster.serving.client import SpecServeClient
+
+
+@dataclass
+class Rec:
+    """One request: which prompt, when it was sent, its first and last chunk, its tokens or its error."""
+
+    prompt: int
+    submit: float
+    first: float | None = None
+    end: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None          # gRPC status name
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.submit
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.token_ids)
+        return (self.end - self.first) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class Cell:
+    """One (row, concurrency) measurement; ``runtime`` is ``served`` or ``in-process``."""
+
+    row: str
+    c: int
+    runtime: str
+    recs: list[Rec]
+    seconds: float
+
+    @property
+    def ok(self) -> list[Rec]:
+        return [r for r in self.recs if r.error is None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.ok)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def failures(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.recs:
+            if r.error is not None:
+                out[r.error] = out.get(r.error, 0) + 1
+        return out
+
+
+def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, strategy, opts,
+                first_seed: int = 0) -> tuple[list[Rec], float]:
+    """Closed loop: ``c`` threads, each sending its next streaming request as soon as the last one ended,
+    until ``n`` requests were sent (request j: prompt j mod len(prompts)).  Returns the records in request
+    order and the wall seconds from the first submit to the last end."""
+    import grpc
+
+    recs: list[Rec | None] = [None] * n
+    nxt = iter(range(n))
+    lock = threading.Lock()
+
+    def one(j: int) -> None:
+        rec = recs[j] = Rec(j % len(prompts), time.perf_counter())
+        streamed: list[int] = []
+        try:
+            for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
+                                       seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if rec.first is None:
+                        rec.first = now
+                    streamed += chunk.token_ids
+                if chunk.HasField("result"):
+                    rec.token_ids = list(chunk.result.token_ids)
+                rec.end = now
+            if rec.first is None or rec.end is None:
+                rec.error = "NO_TOKENS"
+            elif not rec.token_ids:
+                rec.token_ids = streamed
+        except grpc.RpcError as e:
+            rec.error = e.code().name if e.code() is not None else "UNKNOWN"
+        except Exception as e:            # noqa: BLE001 - counted as a failure of this request
+            rec.error = type(e).__name__
+
+    def client_loop() -> None:
+        while True:
+            with lock:
+                j = next(nxt, None)
+            if j is None:
+                return
+            one(j)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, daemon=True, name=f"bench-served-{i}")
+               for i in range(min(c, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ends = [r.end for r in recs if r.end is not None]
+    return recs, (max(ends) if ends else time.perf_counter()) - t0
+
+
+def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tuple[list[Rec], float]:
+    """The same ``n`` requests one after another on the in-process engine (c = 1)."""
+    recs, total = [], 0.0
+    for j in range(n):
+        rec = Rec(j % len(prompts), time.perf_counter())
+        try:
+            res = engine.generate(_request(prompts[rec.prompt], max_new, strategy, opts, j))
+            rec.token_ids = list(res.token_ids)
+        except ParamError as e:
+            rec.error = type(e).__name__
+        rec.end = time.perf_counter()
+        rec.first = rec.first or rec.end
+        total += rec.end - rec.submit
+        recs.append(rec)
+    return recs, total
+
+
+def _request(ids, max_new, strategy, opts, seed) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new, sampling=SamplingParams(0.0),
+                             seed=seed, strategy=strategy, options=dict(opts), ignore_eos=True)
