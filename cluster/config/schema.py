@@ -61,6 +61,9 @@ class ModelSpec:
             self.tiny.validate(f"{path}.tiny")
 
 
+OVERLAP = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     strategy: str = "speculative"
@@ -70,6 +73,10 @@ class EngineSpec:
     max_queue: int = 64                     # requests waiting for a place; beyond: RESOURCE_EXHAUSTED / 429
     kv_budget_tokens: int | None = None     # KV positions the running requests may reserve (None: unlimited)
     request_timeout_s: float | None = 600.0  # server-side deadline: a request still running then is stopped
+    # drafting the next block while the target verifies this one (PEARL's post-verify; docs/cluster.md):
+    # auto = where the draft side has a process of its own (the separated topology), on = also in-process
+    # (no concurrency there: for tests), off = never
+    overlap: str = "auto"
 
     @property
     def capacity(self) -> int:
@@ -87,6 +94,8 @@ class EngineSpec:
         if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
             raise ConfigError(f"{path}.kv_budget_tokens: must be >= 1 (or null: unlimited), "
                               f"got {self.kv_budget_tokens}")
+        if self.overlap not in OVERLAP:
+            raise ConfigError(f"{path}.overlap: one of {', '.join(OVERLAP)}, got {self.overlap!r}")
         if self.strategy not in REGISTRY:
             raise ConfigError(f"{path}.strategy: one of {', '.join(sorted(REGISTRY))}, got {self.strategy!r}")
         if self.max_new_tokens_limit < 1:

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from cluster.core.draft_side import DraftSide
+from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
@@ -47,10 +49,13 @@ class Engine:
     def __init__(self, models: dict[str, ModelHandle], tokenizer: Tokenizer, *, target: str = "target",
                  default_strategy: str = "speculative", defaults: dict[str, Any] | None = None,
                  max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, overlap: bool = False):
         if target not in models:
             raise ValueError(f"models must include the target {target!r}")
         self.models, self.tokenizer, self.target = dict(models), tokenizer, target
+        drafters = {n: h for n, h in self.models.items() if n not in (target, DRAFTS)}
+        if DRAFTS not in self.models and drafters:    # in-process: the draft side over the local drafters
+            self.models[DRAFTS] = DraftSide(drafters, overlap=overlap, rng_factory=rng_factory)
         self.default_strategy = default_strategy
         self.defaults = dict(defaults or {})
         self.max_new_tokens_limit = max_new_tokens_limit
@@ -73,7 +78,7 @@ class Engine:
         return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens),
-                   request_timeout_s=spec.request_timeout_s)
+                   request_timeout_s=spec.request_timeout_s, overlap=spec.overlap == "on")
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:

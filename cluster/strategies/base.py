@@ -1,11 +1,12 @@
 """What a decoding strategy is, the model calls its steps yield, and the typed options it declares.
 
 A strategy is a small object with ``roles()`` (the models it needs) and ``step(ctx)``: a generator that
-reads like per-request code but *yields* each forward-pass call (:class:`Propose`, :class:`Score`,
-:class:`ProposeAdaptive`) and receives its result, and finally returns the tokens the step emits::
+reads like per-request code but *yields* each model call (:class:`Draft` to the draft side,
+:class:`Score`, :class:`Propose`, :class:`ProposeAdaptive` to one model) and receives its result, and
+finally returns the tokens the step emits::
 
-    draft, q_logits = yield Propose(drafter, k)      # [k], [k, V]
-    p_logits = yield Score(target, draft)            # [k+1, V]
+    block = yield Draft(DRAFTS, spec, k, budget)     # DraftBlock: tokens [k], q [k, V]
+    p_logits = yield Score(target, block.tokens)     # [k+1, V]
     ...
     return accepted + [next_token]
 
@@ -21,6 +22,8 @@ from typing import Any, Callable, ClassVar, Generator
 
 import torch
 
+from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
+from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle
 from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.core.stats import RequestStats
@@ -59,36 +62,6 @@ class Option:
         return check_choice(self.name, value, choices) if choices else value
 
 
-@dataclass(frozen=True)
-class Propose:
-    """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``."""
-
-    model: str
-    k: int
-
-
-@dataclass(frozen=True)
-class ProposeAdaptive:
-    """SpecDec++ drafting with ``model``: at most ``k_max`` tokens, stopping by the acceptance ``head``'s
-    rule at ``threshold`` or right after an ``eos`` candidate (:class:`cluster.core.draft_stop.DraftStop`)
-    -> ``(tokens [K], raw logits [K, V])``."""
-
-    model: str
-    k_max: int
-    head: Any
-    threshold: float
-    eos: int | None = None
-
-
-@dataclass(frozen=True)
-class Score:
-    """Append ``draft`` and run one forward pass of ``model`` -> raw logits ``[L+1, V]``."""
-
-    model: str
-    draft: tuple[int, ...]
-
-
-ModelCall = Propose | ProposeAdaptive | Score
 
 
 @dataclass
@@ -144,7 +117,7 @@ class Strategy:
 
     # helpers shared by strategies
     def drafter_names(self) -> list[str]:
-        return [n for n in self.models if n != self.target_name]
+        return [n for n in self.models if n not in (self.target_name, DRAFTS)]
 
     def check_drafter(self, name: str, option: str = "drafter") -> str:
         drafters = [n for n in self.drafter_names() if hasattr(self.models[n], "propose")]

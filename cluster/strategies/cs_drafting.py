@@ -49,22 +49,11 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-from cluster.core.cascade_targets import lossy_target
-from cluster.core.sampling import UNSCALED, logits_to_probs
+from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
-from cluster.core.verify import gen_spec_verify
 from cluster.errors import ParamError, check_float
-from cluster.strategies.base import (
-    Option,
-    Propose,
-    Score,
-    StepContext,
-    Strategy,
-    register,
-)
-from cluster.strategies.speculative import VERIFY
+from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.speculative import VERIFY, speculative_step
 
 MAX_BUDGET = 64
 
@@ -165,6 +154,8 @@ class CSDrafting(Strategy):
         self.K = K
         self.lenience = check_float("lenience", opts["lenience"], 1.0, 1000.0)
         self.verify = VERIFIERS[opts["verify"]]
+        self.spec = DraftSpec("cascade", self.names, kmatrix=K, lenience=self.lenience,
+                              token_budgets=opts["kmatrix_unit"] == "tokens", mag_lenience=opts["mag_lenience"] == "on")
 
     def _default_drafters(self) -> tuple[str, ...]:
         neural = sorted((n for n in self.drafter_names() if not _is_mag(self.models[n])),
@@ -173,121 +164,14 @@ class CSDrafting(Strategy):
         return tuple(neural + mags[:1])
 
     def roles(self) -> list[str]:
-        return [self.target_name, *self.names]
+        return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        run = _Cascade(ctx, self.names, self.K, self.lenience, self.opts["kmatrix_unit"] == "tokens",
-                       self.opts["mag_lenience"] == "on")
-        draft, qs, _ = yield from run.draft(0, [], ctx.budget - 1)         # [L], L x [V]
-        run.sync(self.target_name, [])
-        p = ctx.probs((yield Score(self.target_name, tuple(draft))))       # [L+1, V]
-        ctx.stats.forward(self.target_name, target=True)
-        q = torch.stack(qs) if qs else p[:0]                               # [L, V]
-        verdict = self.verify(draft, q, p, ctx.rng)
-        run.tails[self.target_name] = list(draft)
-        if draft:
-            ctx.stats.verification(len(draft), verdict.accepted)
-        new = draft[:verdict.accepted] + [verdict.next_token]
-        for name in self.roles():
-            run.sync(name, new)
-        return new
+        """The whole cascade below the target runs on the draft side (:class:`cluster.core.drafting.Cascade`),
+        in one call; the target verifies its block as any draft."""
+        return speculative_step(ctx, self.spec, ctx.budget - 1, self.verify)
 
 
 def _is_mag(handle) -> bool:
     """A deterministic drafter (the Max-Gram drafter), by its declared capability."""
     return bool(getattr(handle, "deterministic", False))
-
-
-class _Cascade:
-    """One CS Drafting step's recursion (Chen et al. 2024, CS Drafting, Algorithm "CascadeSpeculativeDraftingStep").
-
-    ``tails[name]`` mirrors each handle's tokens beyond the committed sequence, so a model is brought
-    to any working sequence with one rollback + extend (:meth:`sync`) before it is used.  Drafts travel
-    as (tokens, their distributions, whether each came straight from the Max-Gram drafter).
-    """
-
-    def __init__(self, ctx: StepContext, names, K, lenience: float, token_budgets: bool = False,
-                 mag_lenience: bool = True):
-        self.ctx, self.names, self.K, self.lenience = ctx, names, K, lenience
-        self.token_budgets, self.mag_lenience = token_budgets, mag_lenience
-        self.base = len(ctx.tokens)
-        self.tails: dict[str, list[int]] = {n: [] for n in (ctx.target_name, *names)}
-        self.greedy = ctx.sampling.greedy
-
-    def dist(self, logits: torch.Tensor) -> torch.Tensor:
-        """Distributions handed up: processed for sampling; temperature-1 softmax for greedy lenience."""
-        return logits_to_probs(logits, UNSCALED if self.greedy else self.ctx.sampling)
-
-    def sync(self, name: str, work: list[int]) -> None:
-        """Make handle ``name`` hold committed + ``work`` (common prefix kept, no forward pass)."""
-        tail, h = self.tails[name], self.ctx.models[name]
-        c = 0
-        for a, b in zip(tail, work):
-            if a != b:
-                break
-            c += 1
-        if c < len(tail):
-            h.rollback(self.ctx.rid, self.base + c)
-        if c < len(work):
-            h.extend(self.ctx.rid, list(work[c:]))
-        self.tails[name] = list(work)
-
-    def draft(self, r: int, work: list[int], limit: int):
-        """The draft that model r reviews, continuing ``work``: tokens, their distributions ``[V]`` and
-        Max-Gram flags; row r of K walked left to right (horizontal cascade), at most ``limit`` tokens."""
-        toks: list[int] = []
-        qs: list[torch.Tensor] = []
-        mag: list[bool] = []
-        n = len(self.names)
-        for j in range(r, n):
-            budget = self.K[r][j]
-            if budget <= 0 or len(toks) >= limit:
-                continue
-            if j == n - 1:                                            # the bottom drafter proposes
-                t, q, m = yield from self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
-                toks, qs, mag = toks + t, qs + q, mag + m
-                continue
-            steps = made = 0                                          # vertical cascade: d_{j+1} reviews
-            while len(toks) < limit and (made < budget if self.token_budgets else steps < budget):
-                t, q, m = yield from self.review(j + 1, work + toks, limit - len(toks))
-                toks, qs, mag = toks + t, qs + q, mag + m
-                steps, made = steps + 1, made + len(t)
-        return toks, qs, mag
-
-    def propose(self, name: str, work: list[int], k: int):
-        h = self.ctx.models[name]
-        self.sync(name, work)
-        toks, logits = yield Propose(name, k)                              # [k], [k, V]
-        self.tails[name] = work + list(toks)
-        self.ctx.stats.forward(name, 1 if _is_mag(h) else len(toks))
-        q = self.dist(logits)
-        return list(toks), [q[i] for i in range(len(toks))], [_is_mag(h)] * len(toks)
-
-    def review(self, m: int, work: list[int], limit: int):
-        """Drafter m (1-based) reviews the draft of the drafters below it in one forward pass and emits
-        the accepted tokens plus one, each with the distribution it was drawn from (none from MaG)."""
-        name = self.names[m - 1]
-        d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
-        self.sync(name, work)
-        logits = yield Score(name, tuple(d))                                # [L+1, V]
-        self.tails[name] = work + d
-        self.ctx.stats.forward(name, 1)
-        L = len(d)
-        lens = [1.0 if (mg and not self.mag_lenience) else self.lenience for mg in dm]   # l per position
-        if self.greedy:
-            pu = logits_to_probs(logits, UNSCALED)                          # [L+1, V]
-            arg = logits.argmax(-1).tolist()
-            for i, x in enumerate(d):
-                if not (arg[i] == x or float(dq[i][x]) <= lens[i] * float(pu[i, x])):
-                    return d[:i] + [arg[i]], [pu[j] for j in range(i + 1)], [False] * (i + 1)
-            return d + [arg[L]], [pu[j] for j in range(L + 1)], [False] * (L + 1)
-        p = self.ctx.probs(logits)                                          # [L+1, V]
-        q = torch.stack(dq) if dq else p[:0]                               # [L, V]
-        pi = p[:L]
-        if self.lenience > 1.0 and L:
-            lossy = lossy_target(q, p[:L], 1.0 - 1.0 / self.lenience)
-            keep = torch.tensor([v > 1.0 for v in lens])
-            pi = torch.where(keep[:, None], lossy, p[:L])
-        v = gen_spec_verify(d, q, pi, p[L], self.ctx.rng)
-        hand = [pi[i] for i in range(v.accepted)] + [p[L] if v.bonus else pi[v.accepted]]
-        return d[:v.accepted] + [v.next_token], hand, [False] * (v.accepted + 1)

@@ -6,6 +6,7 @@ recovers from p with x removed: exact, at the cost of nothing but the target's f
 """
 from __future__ import annotations
 
+from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
 from cluster.strategies.base import StepContext, Strategy, register
@@ -44,9 +45,10 @@ class Mag(Strategy):
         self.verify = VERIFIERS[opts["verify"]]
         self.drafter = self.mag
         self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
+        self.spec = DraftSpec("propose", (self.mag,))
 
     def roles(self) -> list[str]:
-        return [self.target_name, self.mag]
+        return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        return speculative_step(ctx, self.mag, draft_length(ctx, self.k), self.verify)
+        return speculative_step(ctx, self.spec, draft_length(ctx, self.k), self.verify)

@@ -16,17 +16,11 @@ handle by the builder (:mod:`cluster.models.build`).
 """
 from __future__ import annotations
 
+from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
-from cluster.strategies.base import (
-    Option,
-    ProposeAdaptive,
-    Score,
-    StepContext,
-    Strategy,
-    register,
-)
-from cluster.strategies.speculative import DRAFTER, VERIFY
+from cluster.strategies.base import Option, StepContext, Strategy, register
+from cluster.strategies.speculative import DRAFTER, VERIFY, speculative_step
 
 K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
 THRESHOLD = Option("threshold", float, 0.5, "SpecDec++: stop drafting once P(some candidate rejected) > h",
@@ -71,19 +65,8 @@ class SpecDecPP(Strategy):
         return heads[name]
 
     def roles(self) -> list[str]:
-        return [self.target_name, self.drafter]
+        return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        drafter, target = ctx.models[self.drafter], ctx.target
-        k = min(self.k_max, ctx.budget - 1)
-        draft, q_logits = (yield ProposeAdaptive(self.drafter, k, self.head, self.threshold, ctx.eos)) \
-            if k > 0 else ([], None)                                            # [K], [K, V]
-        ctx.stats.forward(self.drafter, len(draft))
-        p = ctx.probs((yield Score(self.target_name, tuple(draft))))           # [K+1, V]
-        ctx.stats.forward(self.target_name, target=True)
-        q = ctx.probs(q_logits) if draft else p[:0]
-        verdict = self.verify(draft, q, p, ctx.rng)
-        if draft:
-            ctx.stats.verification(len(draft), verdict.accepted)
-        ctx.commit([target, drafter], verdict.accepted, [verdict.next_token])
-        return draft[:verdict.accepted] + [verdict.next_token]
+        spec = DraftSpec("adaptive", (self.drafter,), head=self.head, threshold=self.threshold, eos=ctx.eos)
+        return speculative_step(ctx, spec, min(self.k_max, ctx.budget - 1), self.verify)

@@ -1,14 +1,17 @@
 """Speculative sampling with one neural drafter (Leviathan et al. 2023; Chen et al. 2023).
 
-Each step: the drafter proposes k tokens (k forward passes), the target scores them in one forward
-pass, and a verifier from :data:`cluster.core.verifiers.VERIFIERS` keeps a prefix plus one more token.
+Each step: the draft side drafts a block (here: the drafter proposes k tokens, k forward passes), the
+target scores it in one forward pass, and a verifier from :data:`cluster.core.verifiers.VERIFIERS` keeps a
+prefix plus one more token.  :func:`speculative_step` is that step for every strategy that drafts through
+the draft side (speculative, mag, specdec_pp, cs_drafting): only the :class:`DraftSpec` differs.
 """
 from __future__ import annotations
 
+from cluster.core.drafting import DRAFTS, DraftBlock, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.strategies.base import (
+    Draft,
     Option,
-    Propose,
     Score,
     StepContext,
     Strategy,
@@ -34,12 +37,13 @@ class Speculative(Strategy):
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
         self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
+        self.spec = DraftSpec("propose", (self.drafter,))
 
     def roles(self) -> list[str]:
-        return [self.target_name, self.drafter]
+        return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        return speculative_step(ctx, self.drafter, draft_length(ctx, self.k), self.verify)
+        return speculative_step(ctx, self.spec, draft_length(ctx, self.k), self.verify)
 
 
 def draft_length(ctx: StepContext, k: int) -> int:
@@ -48,17 +52,18 @@ def draft_length(ctx: StepContext, k: int) -> int:
     return min(k if ctx.planned_k is None else ctx.planned_k, ctx.budget - 1)
 
 
-def speculative_step(ctx: StepContext, drafter_name: str, k: int, verify):
-    """One draft-score-verify step; returns the emitted tokens (accepted + 1)."""
-    drafter, target = ctx.models[drafter_name], ctx.target
-    draft, q_logits = (yield Propose(drafter_name, k)) if k > 0 else ([], None)   # [k], [k, V]
-    ctx.stats.forward(drafter_name, len(draft))
-    p = ctx.probs((yield Score(ctx.target_name, tuple(draft))))                  # [k+1, V]
+def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
+    """One draft-score-verify step: a block of at most ``k`` drafts from the draft side (one call), one
+    target forward over it, the verifier's verdict; returns the emitted tokens (accepted + 1)."""
+    block = (yield Draft(DRAFTS, spec, k, ctx.budget)) if k > 0 else DraftBlock([])   # tokens [L], q [L, V]
+    for name, n in block.forwards.items():
+        ctx.stats.forward(name, n)
+    draft = block.tokens
+    p = ctx.probs((yield Score(ctx.target_name, tuple(draft))))                     # [L+1, V]
     ctx.stats.forward(ctx.target_name, target=True)
-    q = ctx.probs(q_logits) if draft else p[:0]
+    q = block.probs(p.shape[-1], ctx.sampling) if draft else p[:0]                # [L, V]
     verdict = verify(draft, q, p, ctx.rng)
-    new = draft[:verdict.accepted] + [verdict.next_token]
     if draft:
         ctx.stats.verification(len(draft), verdict.accepted)
-    ctx.commit([target, drafter], verdict.accepted, [verdict.next_token])
-    return new
+    ctx.commit([ctx.target, ctx.models[DRAFTS]], verdict.accepted, [verdict.next_token])
+    return draft[:verdict.accepted] + [verdict.next_token]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
@@ -112,7 +113,7 @@ def test_drafter_comes_back_requests_are_prefilled_and_speculate_again():
     engine.step()
     drafter.go_down()
     engine.step()                                        # drafter call fails: this step runs on the target
-    assert "d" in engine.health.down and "d" in seq.stale
+    assert DRAFTS in engine.health.down and DRAFTS in seq.stale      # the draft side, which hosts "d"
     steps_while_down = seq.stats.steps
     engine.step()                                        # still down: a target-only step, no drafting
     assert seq.stats.steps == steps_while_down

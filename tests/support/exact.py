@@ -227,21 +227,28 @@ def product(laws: list[dict]) -> dict:
     return out
 
 
-def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sampling, n: int, budget: int) -> dict:
+def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sampling, n: int, budget: int,
+              overlap: bool = False) -> dict:
     """The exact law of the first ``n`` tokens from repeated steps of strategy ``name`` (each step planned with
-    ``budget``), enumerating every random draw."""
+    ``budget``), enumerating every random draw (the draft side's too; ``overlap``: it pre-drafts every next
+    block, see :mod:`cluster.core.draft_side`)."""
+    from cluster.core.draft_side import DraftSide
+    from cluster.core.drafting import DRAFTS
     from cluster.core.stats import RequestStats
     from cluster.strategies import REGISTRY
     from cluster.strategies.base import StepContext
 
     def run(rng):
-        strategy = REGISTRY[name](opts, models, target)
-        for h in models.values():
+        drafters = {k: v for k, v in models.items() if k != target}
+        side = {DRAFTS: DraftSide(drafters, overlap=overlap, rng_factory=lambda s: rng)} if drafters else {}
+        every = {**models, **side}
+        strategy = REGISTRY[name](opts, every, target)
+        for h in every.values():
             h.prefill("r", prompt, sampling, 0)
-        ctx = StepContext("r", models, target, sampling, rng, RequestStats(), list(prompt), budget)
+        ctx = StepContext("r", every, target, sampling, rng, RequestStats(), list(prompt), budget)
         out = []
         while len(out) < n:
-            new = run_step(strategy.step(ctx), models, "r")
+            new = run_step(strategy.step(ctx), every, "r")
             ctx.tokens.extend(new)
             out.extend(new)
         return tuple(out[:n])

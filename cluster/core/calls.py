@@ -1,0 +1,94 @@
+"""The model calls a step yields, and running a group of them as one batched call on a handle.
+
+A strategy's step (and a draft program, :mod:`cluster.core.drafting`) is a generator that yields these
+calls and receives their results; whoever drives it (the engine, or the draft side for many requests)
+groups the calls of many requests per (model, kind) and runs each group as ONE batched call with
+:func:`run_group`.  """
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Propose:
+    """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``."""
+
+    model: str
+    k: int
+
+
+@dataclass(frozen=True)
+class ProposeAdaptive:
+    """SpecDec++ drafting with ``model``: at most ``k_max`` tokens, stopping by the acceptance ``head``'s
+    rule at ``threshold`` or right after an ``eos`` candidate (:class:`cluster.core.draft_stop.DraftStop`)
+    -> ``(tokens [K], raw logits [K, V])``."""
+
+    model: str
+    k_max: int
+    head: Any
+    threshold: float
+    eos: int | None = None
+
+
+@dataclass(frozen=True)
+class Score:
+    """Append ``draft`` and run one forward pass of ``model`` -> raw logits ``[L+1, V]``."""
+
+    model: str
+    draft: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Ask the draft side ``model`` for one block of drafts -> :class:`cluster.core.drafting.DraftBlock`.
+
+    ``spec`` (:class:`cluster.core.drafting.DraftSpec`) says how (one drafter, SpecDec++, or a CS Drafting
+    cascade), ``limit`` how many tokens at most, ``budget`` how many the request may still emit this step
+    (what the draft side may draft ahead for the next step).  However deep the drafting, it is one call (one
+    round trip when the draft side is an actor)."""
+
+    model: str
+    spec: Any
+    limit: int
+    budget: int
+
+
+ModelCall = Propose | ProposeAdaptive | Score | Draft
+
+# call kind -> (the batched method of BatchedHandle, the per-request item's fields after the request id)
+BATCHED = {Propose: "propose_batch", Score: "score_batch", ProposeAdaptive: "propose_adaptive_batch",
+           Draft: "draft_batch"}
+
+
+def call_args(call: ModelCall) -> tuple:
+    """The fields of one request's item in the batched call (after its request id)."""
+    if isinstance(call, Propose):
+        return (call.k,)
+    if isinstance(call, Score):
+        return (list(call.draft),)
+    if isinstance(call, Draft):
+        return (call.spec, call.limit, call.budget)
+    return (call.k_max, call.head, call.threshold, call.eos)
+
+
+def run_group(handle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:
+    """Results of ``items`` = [(request id, call)], all of ``kind`` on ``handle``, in order: one batched call
+    on a handle with the batched form (workers, remote handles, the draft side); a simple handle (test
+    doubles) gets the per-request calls in order."""
+    method = BATCHED[kind]
+    batched = getattr(handle, method, None)
+    if batched is not None:
+        return batched([(rid, *call_args(call)) for rid, call in items])
+    single = getattr(handle, method.removesuffix("_batch"))
+    return [single(rid, *call_args(call)) for rid, call in items]
+
+
+def prefill(handle, items: list[tuple]) -> None:
+    """Start ``items`` = [(request id, token ids, sampling, seed)] on ``handle``: one batched call where it has one."""
+    batched = getattr(handle, "prefill_batch", None)
+    if batched is not None:
+        batched(items)
+    else:
+        for item in items:
+            handle.prefill(*item)

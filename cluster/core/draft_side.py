@@ -1,0 +1,249 @@
+"""The draft side: every drafter of a unit behind one handle that drafts a whole block per request per call.
+
+The engine sees one model, :data:`cluster.core.drafting.DRAFTS`, with one batched method, ``draft_batch``:
+items ``(request id, DraftSpec, limit, budget)`` -> one :class:`DraftBlock` each.  The draft programs of all
+the call's requests run together, their drafter calls grouped per drafter into one batched call per round.
+In-process it wraps the local drafter handles; served, it lives in one Ray actor with the drafters
+(:mod:`actors.draft_actor`), so a step costs one round trip to the draft side whatever the strategy.
+
+**Commits.**  The strategy tells the draft side what the target committed the way it tells any handle:
+``rollback(rid, len(tokens) + accepted)`` then ``extend(rid, new)`` -- lengths counted over the committed
+sequence followed by the last block it drafted.  No drafter is touched then; each is brought to the
+sequence it is asked about when next used (``sync``: one rollback + extend, no forward pass).  A drafter is
+prefilled the first time a request uses it (lazily, batched per drafter).
+
+**Overlap** (``overlap=True``; Liu et al., *PEARL: Parallel Speculative Decoding with Adaptive Draft
+Length*, "post-verify"; Timor et al., *Distributed Speculative Inference*: the target never waits).
+After answering a call, :meth:`predraft` drafts each request's NEXT block on the assumption that the
+target accepts the whole block just sent and that its bonus token is the draft side's own next token g:
+the program runs from committed + block with one more token, whose first token is g.  When the next call
+finds exactly committed + block + [g] committed, the rest is the answer (drafted while the target
+verified); otherwise it is dropped and drafting starts from the true prefix.  Losslessness is untouched:
+a block is only ever verified against the prefix it was drafted from, with the distributions it was drawn
+from, and the draws that made it are independent of the target's draws that decide whether it is used.
+Where the draft side shares a process with the target (in-process) nothing runs concurrently, so overlap
+is off there unless forced (the exact-enumeration tests force it to cover the path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.core.calls import prefill, run_group
+from cluster.core.drafting import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
+from cluster.core.sampling import Rng, SamplingParams, derive_seed
+from cluster.errors import ModelUnavailableError
+
+
+@dataclass
+class _Pre:
+    """A pre-drafted next block: valid when the committed sequence becomes ``expect``."""
+
+    expect: list[int]
+    spec: DraftSpec
+    block: DraftBlock            # starts at the bonus guess g (token 0)
+
+
+@dataclass
+class _Req:
+    seq: list[int]                          # committed tokens, as the engine told us
+    sampling: SamplingParams
+    seed: int
+    rng: Rng
+    last: list[int] = field(default_factory=list)    # the block last answered (not committed)
+    held: dict[str, list[int]] = field(default_factory=dict)   # drafter -> tokens it holds
+    agreed: dict[str, int] = field(default_factory=dict)       # drafter -> prefix known equal to seq
+    pre: _Pre | None = None
+
+
+class DraftSide:
+    """See the module docstring.  ``members``: drafter name -> handle (batched forms where they have them)."""
+
+    name = DRAFTS
+    deterministic = False
+
+    def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng):
+        if not members:
+            raise ValueError("a draft side needs at least one drafter")
+        self.members = dict(members)
+        # deferred: the host calls predraft() after answering (an actor, while the target verifies); else
+        # draft_batch pre-drafts before it returns (in-process: same blocks, nothing gained, path covered)
+        self.overlap, self.deferred = overlap, deferred
+        self.rng_factory = rng_factory
+        self.vocab_size = min(h.vocab_size for h in self.members.values())
+        self.max_length = min(h.max_length for h in self.members.values())
+        self.num_params = sum(int(getattr(h, "num_params", 0)) for h in self.members.values())
+        self._reqs: dict[str, _Req] = {}
+        self._todo: list[tuple[str, DraftSpec, int, int, DraftBlock]] = []   # blocks to pre-draft after
+        self.hits = self.misses = 0            # pre-drafted blocks used / dropped
+
+    # -- the handle protocol ------------------------------------------------------------------------
+    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
+        for rid, ids, sampling, seed in items:
+            self.release(rid)
+            self._reqs[rid] = _Req(list(ids), sampling, seed, self.rng_factory(derive_seed(seed, DRAFTS)))
+
+    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
+        self.prefill_batch([(rid, ids, sampling, seed)])
+
+    def rollback(self, rid: str, length: int) -> None:
+        """The committed sequence becomes (committed + the last block)[:length]."""
+        st = self._get(rid)
+        st.seq = (st.seq + st.last)[:length] if length > len(st.seq) else st.seq[:length]
+        st.last = []
+        for name in st.agreed:
+            st.agreed[name] = min(st.agreed[name], len(st.seq))
+
+    def extend(self, rid: str, ids: list[int]) -> None:
+        st = self._get(rid)
+        st.seq = st.seq + list(ids)
+        st.last = []
+
+    def release(self, rid: str) -> None:
+        st = self._reqs.pop(rid, None)
+        if st is not None:
+            for name in st.held:
+                self.members[name].release(rid)
+
+    def active_requests(self) -> list[str]:
+        return list(self._reqs)
+
+    def probe(self) -> bool:
+        """After a drafter went away: True once every drafter answers again (those that can tell)."""
+        return all(getattr(h, "probe", lambda: True)() for h in self.members.values())
+
+    # -- drafting -----------------------------------------------------------------------------------
+    def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]]) -> list:
+        """One block per item ``(rid, spec, limit, budget)``: at most ``limit`` tokens; ``budget`` = tokens
+        the request may still emit this step (bounds what :meth:`predraft` drafts ahead).  A request whose
+        drafting failed gets its exception in place of a block."""
+        out: list[DraftBlock | None] = [None] * len(items)
+        todo = []
+        for i, (rid, spec, limit, budget) in enumerate(items):
+            st = self._get(rid)
+            pre, st.pre = st.pre, None
+            if pre is not None and pre.spec == spec and pre.expect == st.seq and len(pre.block.tokens) > 1:
+                self.hits += 1
+                out[i] = pre.block.tail(1, limit)        # the drafters already hold it
+            else:
+                self.misses += pre is not None
+                todo.append((i, rid, spec, [], limit))
+        for (i, *_), block in zip(todo, self._run(todo)):
+            out[i] = block
+        ok = [(item, b) for item, b in zip(items, out) if isinstance(b, DraftBlock)]
+        for (rid, *_), block in ok:
+            self._get(rid).last = list(block.tokens)
+        if self.overlap:
+            self._todo = [(rid, spec, limit, budget, b) for (rid, spec, limit, budget), b in ok]
+            if not self.deferred:
+                self.predraft()
+        return out
+
+    def predraft(self) -> None:
+        """Draft the next block of every request of the last call (see the module docstring)."""
+        todo, self._todo = self._todo, []
+        runs = []
+        for rid, spec, limit, budget, block in todo:
+            st = self._reqs.get(rid)
+            nxt = min(limit, budget - len(block.tokens) - 2)   # the next step's limit if all is accepted
+            if st is None or not block.tokens or nxt < 1 or st.last != block.tokens:
+                continue
+            runs.append((len(runs), rid, spec, list(block.tokens), nxt + 1))
+        for (_, rid, spec, work, _), pre in zip(runs, self._run(runs)):
+            st = self._reqs[rid]
+            if isinstance(pre, DraftBlock) and pre.tokens:
+                st.pre = _Pre(st.seq + work + pre.tokens[:1], spec, pre)
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`predraft` has work (the actor runs it after answering)."""
+        return bool(self._todo)
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _get(self, rid: str) -> _Req:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise KeyError(f"{DRAFTS}: unknown request {rid!r}") from None
+
+    def _run(self, runs) -> list:
+        """Run the programs of ``runs`` = [(key, rid, spec, work, limit)] together; in order, a block or the
+        exception that failed that request (a drafter's error fails only the requests that used it; a
+        drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down with it)."""
+        done: dict = self._prefill_members(runs)
+        gens, pending = {}, {}
+        for key, rid, spec, work, limit in runs:
+            if key in done:
+                continue
+            st = self._reqs[rid]
+            dc = DraftCtx(rid, self.members, st.sampling, st.rng, self._syncer(st, rid), self._holder(st))
+            gens[key] = (rid, run_program(spec, dc, work, limit))
+            self._advance(key, gens[key][1], None, pending, done)
+        while pending:
+            groups: dict[tuple[str, type], list] = {}
+            for key, call in pending.items():
+                groups.setdefault((call.model, type(call)), []).append(key)
+            for (model, kind), keys in groups.items():
+                try:
+                    results = run_group(self.members[model], kind, [(gens[k][0], pending[k]) for k in keys])
+                except ModelUnavailableError:
+                    raise
+                except Exception as e:                   # noqa: BLE001 - fails this group's requests only
+                    results = [e] * len(keys)
+                for key, result in zip(keys, results):
+                    del pending[key]
+                    if isinstance(result, BaseException):
+                        gens[key][1].close()
+                        done[key] = result
+                    else:
+                        self._advance(key, gens[key][1], result, pending, done)
+        return [done[key] for key, *_ in runs]
+
+    @staticmethod
+    def _advance(key, gen, value, pending, done) -> None:
+        try:
+            pending[key] = gen.send(value)
+        except StopIteration as stop:
+            done[key] = stop.value
+
+    def _prefill_members(self, runs) -> dict:
+        """Prefill, batched per drafter, the drafters a run needs and its request has not used yet; returns
+        {key: exception} for the runs whose prefill failed."""
+        need: dict[str, list] = {}
+        for key, rid, spec, _, _ in runs:
+            st = self._reqs[rid]
+            for name in spec.drafters:
+                if name not in st.held:
+                    need.setdefault(name, []).append((key, (rid, list(st.seq), st.sampling, st.seed)))
+        failed = {}
+        for name, items in need.items():
+            try:
+                prefill(self.members[name], [item for _, item in items])
+            except ModelUnavailableError:
+                raise
+            except Exception as e:                       # noqa: BLE001 - fails these requests only
+                failed.update({key: e for key, _ in items})
+                continue
+            for _, (rid, seq, _, _) in items:
+                st = self._reqs[rid]
+                st.held[name], st.agreed[name] = list(seq), len(seq)
+        return failed
+
+    def _syncer(self, st: _Req, rid: str):
+        def sync(name: str, work: list[int]) -> None:
+            want, held = st.seq + work, st.held[name]
+            c, n = st.agreed[name], min(len(held), len(st.seq) + len(work))
+            while c < n and held[c] == want[c]:
+                c += 1
+            h = self.members[name]
+            if c < len(held):
+                h.rollback(rid, c)
+            if c < len(want):
+                h.extend(rid, want[c:])
+            st.held[name], st.agreed[name] = want, len(st.seq)
+        return sync
+
+    @staticmethod
+    def _holder(st: _Req):
+        def held(name: str, work: list[int]) -> None:
+            st.held[name], st.agreed[name] = st.seq + work, len(st.seq)
+        return held

@@ -1,0 +1,225 @@
+"""Draft programs: everything a step does before the target verifies, run where the drafters are.
+
+A strategy asks the draft side (:class:`cluster.core.draft_side.DraftSide`) for one block of drafts per
+step with a :class:`cluster.core.calls.Draft` call carrying a :class:`DraftSpec`; the draft side runs the
+matching program below for every request of the call, batching the programs' drafter calls per model, and
+answers with one :class:`DraftBlock` per request.  However deep the drafting (a CS Drafting cascade makes
+~8 drafter calls), the coordinator pays one call: one round trip when the draft side is an actor.
+
+Programs are generators over the drafters (they yield :class:`Propose` / :class:`ProposeAdaptive` /
+:class:`Score` on member names) and read a :class:`DraftCtx`: the request's committed tokens, its sampling
+parameters, the draft side's random source for it, and ``sync`` (bring a drafter to a working sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cluster.core.calls import Propose, ProposeAdaptive, Score
+from cluster.core.cascade_targets import lossy_target
+from cluster.core.sampling import UNSCALED, Rng, SamplingParams, logits_to_probs
+from cluster.core.verify import gen_spec_verify
+
+DRAFTS = "@drafts"      # the draft side's name among an engine's models (not a drafter: never a strategy option)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How to draft for one request (the same every step of a request, so a pre-drafted block can be
+    matched to the next step's ask; the step's length limit travels beside it in the call).
+
+    kind ``propose``: ``drafters[0]`` samples the block autoregressively (Leviathan et al.; Chen et al.);
+    ``adaptive``: SpecDec++ drafting (Huang et al., Algorithm 1) with ``head`` and ``threshold``, stopping
+    after ``eos``; ``cascade``: CS Drafting (Chen et al., Algorithm "CascadeSpeculativeDraftingStep") over
+    ``drafters`` (largest first) with K-matrix ``kmatrix`` and ``lenience``."""
+
+    kind: str
+    drafters: tuple[str, ...]
+    head: Any = field(default=None, compare=False)
+    threshold: float = 0.0
+    eos: int | None = None
+    kmatrix: tuple = ()
+    lenience: float = 1.0
+    token_budgets: bool = True        # cascade: K counts tokens (the paper's loop) or review steps
+    mag_lenience: bool = False        # cascade: lenience also where a drafter reviews Max-Gram tokens
+
+
+@dataclass
+class DraftBlock:
+    """One request's drafts for one step, in the fewest bytes that keep verification exact.
+
+    tokens    [L]      the draft x_1..x_L
+    q         [L, S]   how the distribution each x_i was drawn from travels, by ``form``:
+                       ``onehot``: None (greedy or deterministic drafting: q_i is the one-hot of x_i);
+                       ``sparse``: float64 probabilities on ``support`` [L, S] (top-k / top-p: S << V);
+                       ``logits``: raw logits [L, V] as the model gave them (the receiver applies the request's sampling,
+                       as the drafter did); ``dense``: float64 probabilities [L, V] (a cascade's pi rows)
+    support   [L, S]   int64 token ids of the sparse rows (None otherwise)
+    forwards           drafter name -> forward passes spent on this block (the request's statistics)
+    """
+
+    tokens: list[int]
+    form: str = "onehot"
+    q: torch.Tensor | None = None
+    support: torch.Tensor | None = None
+    forwards: dict[str, int] = field(default_factory=dict)
+
+    def probs(self, vocab_size: int, sampling: SamplingParams) -> torch.Tensor:
+        """q as float64 rows ``[L, V]``: exactly the distributions the tokens were drawn from."""
+        L = len(self.tokens)
+        if self.form == "onehot":
+            return torch.nn.functional.one_hot(torch.tensor(self.tokens, dtype=torch.long).reshape(L),
+                                               vocab_size).to(torch.float64)
+        if self.form == "sparse":
+            return torch.zeros(L, vocab_size, dtype=torch.float64).scatter(1, self.support, self.q)
+        if self.form == "logits":
+            return logits_to_probs(self.q, sampling)
+        return self.q
+
+    def nbytes(self) -> int:
+        """Payload bytes on the wire (8 per token id)."""
+        arrays = [t for t in (self.q, self.support) if t is not None]
+        return 8 * len(self.tokens) + sum(t.numel() * t.element_size() for t in arrays)
+
+    def tail(self, start: int, limit: int) -> "DraftBlock":
+        """Tokens ``start .. start+limit`` (a pre-drafted block past its bonus guess, cut to the ask)."""
+        end = start + limit
+        cut = (lambda t: None if t is None else t[start:end])
+        return DraftBlock(self.tokens[start:end], self.form, cut(self.q), cut(self.support), dict(self.forwards))
+
+
+def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingParams, *,
+               logits: torch.Tensor | None = None, onehot: bool = False, forwards=None) -> DraftBlock:
+    """The smallest exact form of a block: tokens alone for greedy or deterministic drafting; the truncated
+    support where top-k / top-p leave few tokens; else the raw logits (when q came from them) or q."""
+    forwards = dict(forwards or {})
+    if not tokens or onehot or sampling.greedy or q is None:
+        return DraftBlock(list(tokens), "onehot", forwards=forwards)
+    V = q.shape[-1]
+    width = int((q > 0).sum(-1).max())
+    if width * 16 < V * 4:                                 # ids + float64 values beat V float32 logits
+        vals, ids = torch.topk(q, width, dim=-1)           # every nonzero entry (and zeros to fill)
+        return DraftBlock(list(tokens), "sparse", vals.contiguous(), ids.contiguous(), forwards)
+    if logits is not None:
+        return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)   # as computed (float32 models)
+    return DraftBlock(list(tokens), "dense", q.to(torch.float64).contiguous(), None, forwards)
+
+
+@dataclass
+class DraftCtx:
+    """What a draft program may touch for one request (built by the draft side)."""
+
+    rid: str
+    members: dict                    # drafter name -> handle (capabilities: ``deterministic``)
+    sampling: SamplingParams
+    rng: Rng
+    sync: Callable[[str, list[int]], None]    # (drafter, work): it now holds committed + work
+    held: Callable[[str, list[int]], None]    # (drafter, work): it holds committed + work after a call
+    forwards: dict[str, int] = field(default_factory=dict)
+
+    def count(self, name: str, n: int) -> None:
+        self.forwards[name] = self.forwards.get(name, 0) + n
+
+    def deterministic(self, name: str) -> bool:
+        return bool(getattr(self.members[name], "deterministic", False))
+
+
+def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):
+    """The program for ``spec`` continuing committed + ``work``, at most ``limit`` tokens -> DraftBlock."""
+    if spec.kind == "cascade":
+        toks, qs, _ = yield from Cascade(dc, spec).draft(0, list(work), limit)
+        q = torch.stack(qs) if qs else None
+        return pack_block(toks, q, dc.sampling, forwards=dc.forwards)
+    name = spec.drafters[0]
+    dc.sync(name, work)
+    call = Propose(name, limit) if spec.kind == "propose" else \
+        ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
+    toks, logits = yield call                                             # [L], [L, V]
+    toks = list(toks)
+    dc.held(name, work + toks)
+    dc.count(name, len(toks))
+    onehot = dc.deterministic(name)
+    q = None if onehot or dc.sampling.greedy or not toks else logits_to_probs(logits, dc.sampling)
+    return pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
+
+
+class Cascade:
+    """One CS Drafting draft (Chen et al. 2024, *Cascade Speculative Drafting*, Algorithm
+    "CascadeSpeculativeDraftingStep"), below the target: row r of the K-matrix walked left to right
+    (horizontal cascade), drafters reviewing the drafts of the ones below them (vertical cascade), with
+    lenience where a drafter reviews.  See :mod:`cluster.strategies.cs_drafting` for the K-matrix and the
+    exactness argument; drafts travel as (tokens, the distributions they were drawn from, Max-Gram flags).
+    """
+
+    def __init__(self, dc: DraftCtx, spec: DraftSpec):
+        self.dc, self.names, self.K, self.lenience = dc, spec.drafters, spec.kmatrix, spec.lenience
+        self.token_budgets, self.mag_lenience = spec.token_budgets, spec.mag_lenience
+        self.greedy = dc.sampling.greedy
+
+    def dist(self, logits: torch.Tensor) -> torch.Tensor:
+        """Distributions handed up: processed for sampling; temperature-1 softmax for greedy lenience."""
+        return logits_to_probs(logits, UNSCALED if self.greedy else self.dc.sampling)
+
+    def draft(self, r: int, work: list[int], limit: int):
+        """The draft that model r (0: the target) reviews, continuing ``work``: tokens, their distributions
+        ``[V]`` and Max-Gram flags; at most ``limit`` tokens."""
+        toks: list[int] = []
+        qs: list[torch.Tensor] = []
+        mag: list[bool] = []
+        n = len(self.names)
+        for j in range(r, n):
+            budget = self.K[r][j]
+            if budget <= 0 or len(toks) >= limit:
+                continue
+            if j == n - 1:                                            # the bottom drafter proposes
+                t, q, m = yield from self.propose(self.names[j], work + toks, min(budget, limit - len(toks)))
+                toks, qs, mag = toks + t, qs + q, mag + m
+                continue
+            steps = made = 0                                          # vertical cascade: d_{j+1} reviews
+            while len(toks) < limit and (made < budget if self.token_budgets else steps < budget):
+                t, q, m = yield from self.review(j + 1, work + toks, limit - len(toks))
+                toks, qs, mag = toks + t, qs + q, mag + m
+                steps, made = steps + 1, made + len(t)
+        return toks, qs, mag
+
+    def propose(self, name: str, work: list[int], k: int):
+        dc = self.dc
+        dc.sync(name, work)
+        toks, logits = yield Propose(name, k)                              # [k], [k, V]
+        toks = list(toks)
+        dc.held(name, work + toks)
+        is_mag = dc.deterministic(name)
+        dc.count(name, 1 if is_mag else len(toks))
+        q = self.dist(logits)
+        return toks, [q[i] for i in range(len(toks))], [is_mag] * len(toks)
+
+    def review(self, m: int, work: list[int], limit: int):
+        """Drafter m (1-based) reviews the draft of the drafters below it in one forward pass and emits
+        the accepted tokens plus one, each with the distribution it was drawn from (none from MaG)."""
+        dc, name = self.dc, self.names[m - 1]
+        d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
+        dc.sync(name, work)
+        logits = yield Score(name, tuple(d))                                # [L+1, V]
+        dc.held(name, work + d)
+        dc.count(name, 1)
+        L = len(d)
+        lens = [1.0 if (mg and not self.mag_lenience) else self.lenience for mg in dm]   # l per position
+        if self.greedy:
+            pu = logits_to_probs(logits, UNSCALED)                          # [L+1, V]
+            arg = logits.argmax(-1).tolist()
+            for i, x in enumerate(d):
+                if not (arg[i] == x or float(dq[i][x]) <= lens[i] * float(pu[i, x])):
+                    return d[:i] + [arg[i]], [pu[j] for j in range(i + 1)], [False] * (i + 1)
+            return d + [arg[L]], [pu[j] for j in range(L + 1)], [False] * (L + 1)
+        p = logits_to_probs(logits, dc.sampling)                            # [L+1, V]
+        q = torch.stack(dq) if dq else p[:0]                               # [L, V]
+        pi = p[:L]
+        if self.lenience > 1.0 and L:
+            lossy = lossy_target(q, p[:L], 1.0 - 1.0 / self.lenience)
+            keep = torch.tensor([v > 1.0 for v in lens])
+            pi = torch.where(keep[:, None], lossy, p[:L])
+        v = gen_spec_verify(d, q, pi, p[L], dc.rng)
+        hand = [pi[i] for i in range(v.accepted)] + [p[L] if v.bonus else pi[v.accepted]]
+        return d[:v.accepted] + [v.next_token], hand, [False] * (v.accepted + 1)
