@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
-from cluster.engine.planner import Planner
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
@@ -239,9 +238,8 @@ def collect(args, cfg) -> Results:
             if started:
                 ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
             t0 = time.perf_counter()
-            coord = Coordinator(cfg, planner=Planner(engine.planner.costs, cfg.target))
-            print(f"[bench load: cluster up in {time.perf_counter() - t0:.1f}s "
-                  f"(topology {coord.topology}; planner costs from the in-process measurement)]")
+            coord = Coordinator(cfg)      # its own planner, costs measured through its handles (at warm-up)
+            print(f"[bench load: cluster up in {time.perf_counter() - t0:.1f}s (topology {coord.topology})]")
             drivers["cluster"] = cdriver = ClusterDriver(coord)
         for rt, drive in drivers.items():            # warm-up (not timed): every row at the largest level
             for strategy, opts in rows.values():

@@ -258,7 +258,7 @@ class ForwardCost:
     """Measured wall seconds of one batched forward pass of one model, per (rows, tokens per row).
 
     Built from a full grid ``{(rows, tokens): seconds}`` -- what
-    :func:`cluster.models.batched.forward_cost_grid` returns.  ``cost(rows, tokens)`` interpolates
+    :func:`cluster.engine.measure.forward_cost_grid` returns.  ``cost(rows, tokens)`` interpolates
     piecewise linearly in rows and in tokens (bilinear on each grid cell), extrapolating linearly from the
     nearest cell beyond the grid; along an axis with a single measured value it is constant.  The result
     is never below zero.  Example: grid {(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0} gives

@@ -19,9 +19,7 @@ generation loop; a slot cache keeps HFWorker's per-call contract (score/propose/
 """
 from __future__ import annotations
 
-import statistics
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,29 +232,3 @@ class BatchedHFWorker:
             lg = logits[b, :len(f)]
             res[i] = (lg, hid[b, :len(f)] if hidden else None)
         return res
-
-
-def forward_cost_grid(worker: BatchedHFWorker, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
-                      iters: int = 10) -> dict[tuple[int, int], float]:
-    """Median wall seconds of one batched score forward: ``rows`` requests with ``context`` cached tokens,
-    each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1)."""
-    gen = torch.Generator().manual_seed(0)
-    result = {}
-    for r in rows:
-        rids = [f"__grid{i}" for i in range(r)]
-        worker.prefill_batch([(rid, torch.randint(0, worker.vocab_size, (context,), generator=gen).tolist(),
-                               SamplingParams(), i) for i, rid in enumerate(rids)])
-        for t in new_tokens:
-            draft = [1] * (t - 1)
-            times = []
-            for it in range(iters + 1):                  # one warm-up
-                t0 = time.perf_counter()
-                worker.score_batch([(rid, draft) for rid in rids])
-                if it:
-                    times.append(time.perf_counter() - t0)
-                for rid in rids:
-                    worker.rollback(rid, context)
-            result[(r, t)] = statistics.median(times)
-        for rid in rids:
-            worker.release(rid)
-    return result

@@ -22,6 +22,7 @@ import torch
 
 from cluster.config.schema import Config
 from cluster.engine.engine import Engine
+from cluster.engine.measure import build_planner
 from cluster.engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -41,11 +42,16 @@ class Coordinator:
     """One serving unit's engine, its step loop, and request bookkeeping (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None, planner=None):
+        """``planner``: the engine's load-aware planner; None builds it as the in-process root does
+        (:func:`cluster.engine.measure.build_planner`: measured now through the unit's handles, round trips
+        included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.topology
         self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
-        self.engine = Engine.configured({n: e.handle for n, e in self.entries.items()}, self.tokenizer,
-                                        cfg.target, cfg.engine, planner=planner)
+        handles = {n: e.handle for n, e in self.entries.items()}
+        if planner is None:    # the in-process root's planner, its costs measured through these handles
+            planner = build_planner(handles, cfg.target, cfg.drafters, cfg.engine)
+        self.engine = Engine.configured(handles, self.tokenizer, cfg.target, cfg.engine, planner=planner)
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics

@@ -87,8 +87,10 @@ def test_planner_groups_by_drafter_caps_k_and_prices_the_whole_batch():
     planner.plan([a, b, fixed, mag])
     assert fixed.ctx.planned_k is None
     assert a.ctx.planned_k == b.ctx.planned_k <= 3                  # one k per drafter, <= min strategy.k
-    assert a.ctx.planned_k == plan_draft_length([0.8, 0.8], DRAFT, STEEP, 3, False, target_rows=4)
-    assert mag.ctx.planned_k == plan_draft_length([0.8], None, STEEP, 6, True, target_rows=4)
+    # before any measurement the choice is the cost model's (the prior), with the planner's margin
+    m = planner.margin
+    assert a.ctx.planned_k == plan_draft_length([0.8, 0.8], DRAFT, STEEP, 3, False, target_rows=4, margin=m)
+    assert mag.ctx.planned_k == plan_draft_length([0.8], None, STEEP, 6, True, target_rows=4, margin=m)
     assert list(planner.history) == [(4, a.ctx.planned_k), (4, mag.ctx.planned_k)]
     assert sum(planner.counts[4].values()) == 2 and planner.last["d"][0] == 4
 
@@ -113,6 +115,7 @@ def test_planner_acceptance_estimate_counts_tried_positions():
 
 
 def test_planner_probes_after_a_run_of_zero_plans():
+    """Without observations (no goodput samples) the band keeps its probe interval: k = 1 every 3rd plan."""
     planner = Planner({"t": STEEP, "d": ForwardCost({(1, 1): 50.0, (32, 1): 50.0})}, "t", probe_every=3)
     s = _seq()
     ks = []
@@ -120,6 +123,96 @@ def test_planner_probes_after_a_run_of_zero_plans():
         planner.plan([s])
         ks.append(s.ctx.planned_k)
     assert ks == [0, 0, 1, 0, 0, 1]
+
+
+# -- the closed loop on stand-in sequences, synthetic step times ------------------------------------
+def _drive(planner, seqs, steps, seconds, accepted=lambda k: k):
+    """``steps`` engine steps over ``seqs``: plan, every row commits accepted(k) + 1 tokens (a verification
+    of k drafts when k > 0), then observe ``seconds(k, rows)``.  Returns the planned k per step."""
+    ks = []
+    for _ in range(steps):
+        planner.plan(seqs)
+        k = seqs[0].ctx.planned_k
+        assert all(s.ctx.planned_k == k for s in seqs)
+        for s in seqs:
+            if k:
+                s.ctx.stats.verification(k, accepted(k))
+            s.ctx.stats.generated_tokens += accepted(k) + 1
+        planner.observe(seconds(k, len(seqs)))
+        ks.append(k)
+    return ks
+
+
+def test_closed_loop_leaves_speculation_that_measures_worse():
+    """Prior: free drafts and a target flat in tokens -> k = 4.  Measured: each draft token costs 8 ms on a
+    10 ms step (4 ms more to speculate at all) and at most one is accepted: k = 0 (100 tok/s) beats k = 1 (91),
+    2 (67) and 4 (43)."""
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    seqs = [_seq(drafter="mag", k=4)]
+    ks = _drive(planner, seqs, 400, lambda k, b: 0.010 + 0.008 * k + (0.004 if k else 0.0), lambda k: min(k, 1))
+    assert ks[0] == 4                                   # the prior speculates
+    settled = ks.index(0)
+    assert settled <= 3                                 # two samples of k = 4 override the prior
+    after = ks[settled:]
+    assert sum(k > 0 for k in after) <= len(after) / planner.probe_every    # probes: a bounded fraction
+    assert sum(k > 0 for k in ks[-200:]) <= 2           # ... ever rarer (backoff) once they keep losing
+    assert set(after) <= {0, 1}                         # a probe is a neighbour of the best (k = 1)
+    assert planner.report()[("mag", "1")]["best"] == 0
+
+
+def test_closed_loop_finds_speculation_the_prior_rejects():
+    """Prior: a drafter forward costs 5x the target's -> k = 0.  Measured: drafts are nearly free and all
+    accepted, so each step of k drafts commits k + 1 tokens in 10 ms + 1 ms * k: the planner climbs to k = 4."""
+    drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})
+    planner = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8)
+    seqs = [_seq(drafter="d", k=4)]
+    ks = _drive(planner, seqs, 120, lambda k, b: 0.010 + 0.001 * k)
+    assert ks[0] == 0                                   # the prior says plain decoding
+    first = next(i for i, k in enumerate(ks) if k > 0)
+    assert first < planner.probe_every                  # the first probe (k = 1); a second soon after ...
+    assert all(k > 0 for k in ks[first + 3:first + 8])  # ... wins: the planner speculates and climbs
+    assert sum(k == 4 for k in ks[-40:]) >= 36         # settled at k_max (the rest: rare probes)
+
+
+def test_closed_loop_bands_learn_independently():
+    """Same drafter, same prior (k = 4 everywhere).  One row: drafts cost little -> k = 4.  32 rows (compute
+    bound): a step of k drafts costs 20 ms * (1 + 1.5 k) -> plain decoding.  Each band keeps what it learned."""
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    seconds = lambda k, b: 0.010 + 0.001 * k if b == 1 else 0.020 * (1 + 1.5 * k)   # noqa: E731
+    one = _drive(planner, [_seq(drafter="mag", k=4)], 60, seconds)
+    many = _drive(planner, [_seq(drafter="mag", k=4) for _ in range(32)], 60, seconds)
+    assert sum(k == 4 for k in one[-30:]) >= 27
+    assert sum(k == 0 for k in many[-30:]) >= 28
+    again = _drive(planner, [_seq(drafter="mag", k=4)], 10, seconds)     # batch 1 again: still k = 4
+    assert again[:3] == [4, 4, 4]
+    report = planner.report()
+    assert report[("mag", "1")]["best"] == 4 and report[("mag", "32+")]["best"] == 0
+    # deterministic: the same observations give the same plans
+    twin = Planner({"t": FLAT}, "t", probe_every=8)
+    assert _drive(twin, [_seq(drafter="mag", k=4)], 60, seconds) == one
+
+
+def test_planner_measures_on_first_use_and_retries_a_failed_measurement():
+    calls = []
+
+    def measure():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("drafter down")
+        return {"t": FLAT}
+
+    planner = Planner(None, "t", measure=measure, retry_every=2)
+    planner.plan([_seq(load_aware=False)])
+    assert calls == [] and planner.costs == {}          # nothing load-aware: nothing measured
+    s = _seq(drafter="mag", k=4)
+    planner.plan([s])
+    assert calls == [1] and s.ctx.planned_k == 0        # failed: plain decoding, not fixed k
+    planner.plan([s])
+    assert calls == [1]                                 # retried only after retry_every plans
+    planner.plan([s])
+    assert len(calls) == 2 and "t" in planner.costs and s.ctx.planned_k == 4
+    with pytest.raises(ValueError):
+        Planner(None, "t")
 
 
 # -- end to end: lossless on the tiny models --------------------------------------------------------

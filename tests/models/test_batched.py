@@ -6,7 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.core.sampling import SamplingParams
-from cluster.models.batched import BatchedHFWorker, forward_cost_grid
+from cluster.engine.measure import forward_cost_grid
+from cluster.models.batched import BatchedHFWorker
 from cluster.models.head import AcceptanceHead
 from cluster.models.tiny import tiny_llama, truncated
 from tests.support.reference_worker import HFWorker

@@ -1,0 +1,110 @@
+"""Forward costs measured through the handles an engine really uses, and the one place that builds its planner.
+
+Both composition roots (:mod:`cluster.local` in-process, :mod:`cluster.serving.coordinator` on Ray) call
+:func:`build_planner` with the handles they give the engine, so the load-aware planner's prior is priced
+from what a step really pays: in-process forwards there, forwards plus actor round trips (and the queued
+rollbacks each call carries) through :class:`cluster.serving.remote.RemoteHandle`.  Only the handle
+protocol is used (``prefill_batch`` / ``score_batch`` / ``rollback`` / ``release``, or the single-request
+forms where a handle has no batched ones), so this module imports no model code.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from functools import partial
+from typing import Mapping
+
+from cluster.core.cost_model import ForwardCost
+from cluster.core.sampling import SamplingParams
+from cluster.engine.planner import Planner
+
+ROWS = (1, 2, 4, 8, 16, 32)        # batch sizes measured (capped by the engine's max_batch, at most 32)
+NEW_TOKENS = (1, 2, 3, 5, 9)       # tokens fed per row by the target's forward: k + 1 for k = 0, 1, 2, 4, 8
+
+
+def _prefill(handle, items) -> None:
+    if hasattr(handle, "prefill_batch"):
+        handle.prefill_batch(items)
+    else:
+        for item in items:
+            handle.prefill(*item)
+
+
+def _score(handle, items) -> None:
+    if hasattr(handle, "score_batch"):
+        handle.score_batch(items)
+    else:
+        for rid, draft in items:
+            handle.score(rid, draft)
+
+
+def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
+                      iters: int = 10) -> dict[tuple[int, int], float]:
+    """Median wall seconds of one batched score forward through ``handle``: ``rows`` requests with ``context``
+    cached tokens, each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1).
+    One warm-up call per cell; the measuring requests (ids ``__grid<i>``) are released at the end."""
+    gen = random.Random(0)
+    result = {}
+    for r in rows:
+        rids = [f"__grid{i}" for i in range(r)]
+        _prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
+                          for i, rid in enumerate(rids)])
+        try:
+            for t in new_tokens:
+                draft = [1] * (t - 1)
+                times = []
+                for it in range(iters + 1):                  # one warm-up
+                    t0 = time.perf_counter()
+                    _score(handle, [(rid, draft) for rid in rids])
+                    if it:
+                        times.append(time.perf_counter() - t0)
+                    for rid in rids:
+                        handle.rollback(rid, context)
+                result[(r, t)] = statistics.median(times)
+        finally:
+            for rid in rids:
+                handle.release(rid)
+    return result
+
+
+def planner_rows(max_batch: int, rows=ROWS) -> tuple[int, ...]:
+    """The measured batch sizes: ``rows`` up to ``min(max_batch, 32)``, which is always included."""
+    cap = max(1, min(int(max_batch), 32))
+    return tuple(sorted({r for r in rows if r <= cap} | {cap}))
+
+
+def measure_costs(handles: Mapping[str, object], target: str, drafters, *, rows=ROWS, new_tokens=NEW_TOKENS,
+                  context: int = 64, iters: int = 2) -> dict[str, ForwardCost]:
+    """:class:`ForwardCost` tables measured now: the target over ``rows`` x ``new_tokens``, each neural drafter
+    over ``rows`` x one token (the planner prices k drafter forwards of one token).  Deterministic drafters
+    (the Max-Gram drafter, ``handle.deterministic``) get no table: they draft for free."""
+    costs = {}
+    for name in dict.fromkeys([target, *drafters]):
+        handle = handles.get(name)
+        if handle is None or getattr(handle, "deterministic", False):
+            continue
+        feeds = new_tokens if name == target else (1,)
+        grid = forward_cost_grid(handle, rows=rows, new_tokens=feeds,
+                                 context=max(1, min(context, handle.max_length - max(feeds))), iters=iters)
+        costs[name] = ForwardCost(grid).monotone()          # timing noise: never cheaper when larger
+    return costs
+
+
+def build_planner(handles: Mapping[str, object], target: str, drafters, spec, *, measure_now: bool | None = None,
+                  iters: int = 2) -> Planner:
+    """THE planner of an engine over ``handles`` (the ones the engine will use), for a config's ``engine:``
+    section ``spec`` (read by attribute: ``max_batch``, ``options``).
+
+    Every engine gets one: it acts only on requests whose strategy is load-aware (``plan=load_aware``), so a
+    per-request ``plan=load_aware`` works whatever the config's default.  Its forward costs are measured now
+    when ``measure_now`` is True, or (None) when the config's default options ask for the planner
+    (``engine.options.plan: load_aware``); otherwise on the first step that plans (measuring then takes a few
+    seconds, once), so an engine that never plans never measures."""
+    if measure_now is None:
+        measure_now = (getattr(spec, "options", None) or {}).get("plan") == "load_aware"
+    measure = partial(measure_costs, dict(handles), target, list(drafters),
+                      rows=planner_rows(getattr(spec, "max_batch", 32)), iters=iters)
+    if measure_now:
+        return Planner(measure(), target)
+    return Planner(None, target, measure=measure)
