@@ -20,7 +20,7 @@ MAX_RESTARTS = 10      # a model actor that dies is restarted by Ray (empty: its
 
 
 class ModelHost:
-    """The actor body (plain class: :mod:`actors.tp` and :mod:`actors.mag_actor` reuse it)."""
+    """The actor body (plain class: :mod:`actors.tp` reuses it)."""
 
     def __init__(self, cfg, name: str, threads: int = 1):
         torch.set_num_threads(threads)

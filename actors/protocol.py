@@ -6,13 +6,18 @@ order) and then at most one batched method (:data:`METHODS`) over all of the ste
 model.  The actor answers ``(result, compute seconds)``.  Tensors travel as numpy arrays
 (:func:`pack` / :func:`unpack`): Ray serialises those out of band.
 
-Bytes per step and request (embedded family, V = 4096 float32 logits): a ``score`` of L draft tokens
-returns (L+1) x V x 4 B = 16 KiB per position; a ``propose`` of k tokens returns k x V x 4 B.  For a
-128k-vocabulary target the same rows are 512 KiB each, which is why verification runs where the target's
-logits are (see docs/cluster.md, "Bytes per step").
+A call is addressed to the actor's hosted handle, or (``member``) to one drafter hosted beside it: the
+draft-group actor (:mod:`actors.draft_actor`) hosts the draft side and every drafter of a unit.
+
+Bytes per step and request (embedded family, V = 4096): a ``draft_batch`` answer is a
+:class:`cluster.core.drafting.DraftBlock` -- 8 B per token when greedy or deterministic, the truncated
+support (12-16 B per kept token) under top-k / top-p, L x V x 4 B of logits only for untruncated sampling;
+a per-drafter ``propose`` of k tokens returns k x V x 4 B (16 KiB per token; 512 KiB for a 128k vocabulary),
+which is why verification runs where the target's logits are (see docs/cluster.md, "Bytes per step").
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +28,7 @@ import torch
 from cluster.core.sampling import onehot_logits
 
 OPS = ("rollback", "extend", "release")
-METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch")
+METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch", "draft_batch")
 
 
 @dataclass
@@ -31,6 +36,7 @@ class StepCall:
     ops: list[tuple[str, str, tuple]] = field(default_factory=list)   # (op, request id, args), in order
     method: str | None = None                                          # one of METHODS, or None (ops only)
     items: list = field(default_factory=list)                          # the method's per-request items
+    member: str | None = None                                          # a drafter beside the hosted handle
 
 
 class StateLostError(RuntimeError):
@@ -38,7 +44,8 @@ class StateLostError(RuntimeError):
 
 
 def apply(handle, call: StepCall) -> Any:
-    """Run ``call`` on the hosted model handle (the actor side); returns the method's packed result."""
+    """Run ``call`` on the hosted model handle (the actor side; ``call.member`` already resolved by the
+    host); returns the method's packed result."""
     try:
         for op, rid, args in call.ops:
             if op not in OPS:
@@ -73,11 +80,13 @@ def expand_onehot(method: str, out, vocab_size: int):
 
 
 def pack(out):
-    """Tensors as numpy arrays, recursively through lists and tuples."""
+    """Tensors as numpy arrays, recursively through lists, tuples and dataclasses (draft blocks)."""
     if isinstance(out, torch.Tensor):
         return out.numpy()
     if isinstance(out, (list, tuple)):
         return type(out)(pack(x) for x in out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: pack(getattr(out, f.name)) for f in dataclasses.fields(out)})
     return out
 
 
@@ -87,6 +96,8 @@ def unpack(out):
         return torch.from_numpy(out.copy())
     if isinstance(out, (list, tuple)):
         return type(out)(unpack(x) for x in out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: unpack(getattr(out, f.name)) for f in dataclasses.fields(out)})
     return out
 
 
@@ -106,4 +117,6 @@ def nbytes(out) -> int:
         return 8
     if isinstance(out, (list, tuple)):
         return sum(nbytes(x) for x in out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return sum(nbytes(getattr(out, f.name)) for f in dataclasses.fields(out))
     return 0

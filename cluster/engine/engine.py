@@ -65,6 +65,8 @@ class Engine:
         self.planner = planner
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
+        # handles that queue bookkeeping (remote ones): sent once per step, outside the lock (see _flush)
+        self._flushers = [(n, h) for n, h in self.models.items() if callable(getattr(h, "flush", None))]
         self._fallback = REGISTRY["autoregressive"]({}, self.models, target)   # target-only steps
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
@@ -85,9 +87,12 @@ class Engine:
         """Validate and tokenize ``req`` once (raises ParamError); a prepared request passes through."""
         if isinstance(req, PreparedRequest):
             return req
-        return prepare(req, self.models, self.tokenizer, self.target, default_strategy=self.default_strategy,
-                       defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
-                       vocab_size=self.vocab_size)
+        prepared = prepare(req, self.models, self.tokenizer, self.target, default_strategy=self.default_strategy,
+                           defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
+                           vocab_size=self.vocab_size)
+        if self.planner is None and prepared.strategy.load_aware:     # never run fixed k under that name
+            raise ParamError("plan", "fixed (this engine has no load-aware planner)", "load_aware")
+        return prepared
 
     def add(self, req: GenerationRequest | PreparedRequest, sink: Callable[[StreamChunk], None] | None = None,
             on_end: Callable[[Sequence], None] | None = None) -> Sequence:
@@ -168,7 +173,19 @@ class Engine:
             if seq.finish is not None:
                 self._end(seq)
                 ended.append(seq)
+        self._flush()
         return ended
+
+    def _flush(self) -> None:
+        """Send each remote model's queued bookkeeping (releases of ended requests among it): one call per
+        model that has any, outside the engine lock, so one hung actor cannot stall admission."""
+        for name, h in self._flushers:
+            try:
+                h.flush()
+            except Exception as e:                       # noqa: BLE001 - a dead model must not stop the loop
+                if isinstance(e, ModelUnavailableError):
+                    self.model_down(name, e)
+                log.warning("flushing %s failed: %s", name, e)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: a model that is back), one batched call each."""

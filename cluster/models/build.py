@@ -1,7 +1,7 @@
 """THE one builder: a config's model spec -> a model handle (and the shared tokenizer).
 
 Used by every runtime: :mod:`cluster.local` (in-process), the Ray actors (:mod:`actors.model_actor`,
-:mod:`actors.tp`, :mod:`actors.mag_actor`) and the serving unit (:mod:`cluster.serving.unit`).  It only
+:mod:`actors.tp`, :mod:`actors.draft_actor`) and the serving unit (:mod:`cluster.serving.unit`).  It only
 loads: a missing family or bigram table is a clear :class:`ConfigError` (entry points build them first
 with :func:`cluster.family.ensure_built`).
 
@@ -88,6 +88,16 @@ def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | 
         if (head / "head.json").is_file():
             worker.specdec_head = str(head)
     return worker
+
+
+def model_vocab_size(cfg: Config, name: str) -> int:
+    """Model ``name``'s vocabulary size from its config alone (no weights loaded)."""
+    spec = cfg.models[name]
+    if spec.tiny is not None:
+        return int(_tiny_model(cfg, name).config.vocab_size)
+    from transformers import AutoConfig                   # heavy: only where a checkpoint is read
+    conf = AutoConfig.from_pretrained(str(model_path(cfg, spec)), local_files_only=True)
+    return int(conf.get_text_config().vocab_size)
 
 
 def build_handles(cfg: Config, names: list[str] | None = None) -> dict[str, ModelHandle]:

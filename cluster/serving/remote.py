@@ -1,11 +1,13 @@
 """A :class:`cluster.core.interfaces.ModelHandle` over Ray actors, so the unchanged engine drives remote models.
 
-The engine calls the batched forms once per step and model (``prefill_batch``, ``propose_batch``,
-``score_batch``, ``propose_adaptive_batch``); each becomes ONE Ray actor call (:mod:`actors.protocol`)
-that also carries the bookkeeping queued since the last call (``rollback`` / ``extend``; ``release`` is
-sent at once so a finished request frees its state on the actor immediately).  An :class:`Endpoint` is
-one model actor, or the rank actors of a tensor-parallel group (every call goes to every rank, in the
-same order, and rank 0's answer is returned).
+The engine calls the batched forms once per step and model (``prefill_batch``, ``draft_batch``,
+``score_batch``, ``propose_batch``, ``propose_adaptive_batch``); each becomes ONE Ray actor call
+(:mod:`actors.protocol`) that also carries the bookkeeping queued since the last call (``rollback`` /
+``extend`` / ``release``); the engine sends what is still queued at the end of a step with :meth:`flush`
+(outside its lock), so a finished request frees its state on the actor within a step and a hung actor never
+stalls the engine's front.  An :class:`Endpoint` is one model actor, or the rank actors of a tensor-parallel
+group (every call goes to every rank, in the same order, and rank 0's answer is returned).  Handles of the
+drafters hosted by the draft-group actor address their calls to one ``member`` of it.
 
 Not part of the algorithm core: the engine and strategies never import this module.
 """
@@ -155,8 +157,8 @@ class CallTiming:
 class RemoteHandle:
     """ModelHandle whose model lives in an actor (or TP group); see the module docstring."""
 
-    def __init__(self, endpoint: Endpoint, info: dict, *, placement: str = "actor"):
-        self.endpoint = endpoint
+    def __init__(self, endpoint: Endpoint, info: dict, *, placement: str = "actor", member: str | None = None):
+        self.endpoint, self.member = endpoint, member
         self.name = info["name"]
         self.vocab_size = int(info["vocab_size"])
         self.max_length = int(info["max_length"])
@@ -182,7 +184,12 @@ class RemoteHandle:
     def release(self, rid: str) -> None:
         with self._lock:
             self._ops.append(("release", rid, ()))
-        self._call(None, [])
+
+    def flush(self) -> None:
+        """Send the queued bookkeeping now if it frees a request (a release); rollback / extend alone keep
+        riding along with the next call."""
+        if any(op == "release" for op, _, _ in self._ops):
+            self._call(None, [])
 
     # -- batched calls: one round trip each ---------------------------------------------------------
     def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
@@ -196,6 +203,10 @@ class RemoteHandle:
 
     def propose_adaptive_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
         return self._call("propose_adaptive_batch", items)
+
+    def draft_batch(self, items) -> list:
+        """The draft side's blocks (:class:`cluster.core.drafting.DraftBlock`), one round trip for the batch."""
+        return self._call("draft_batch", items)
 
     # -- single-request forms ---------------------------------------------------------------------
     def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
@@ -223,7 +234,7 @@ class RemoteHandle:
         with self._lock:
             ops, self._ops = self._ops, []
         t0 = time.perf_counter()
-        out, compute_s = self.endpoint.step(StepCall(ops, method, items))
+        out, compute_s = self.endpoint.step(StepCall(ops, method, items, self.member))
         t = self.timing
         t.calls += 1
         t.wall_s += time.perf_counter() - t0

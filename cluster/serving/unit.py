@@ -1,19 +1,23 @@
 """A serving unit on Ray: start its actors and connect remote handles (the cluster's composition root).
 
-Counterpart of :mod:`cluster.local`: the drafters and the Max-Gram drafter (each its own actor in the default
-``separated`` topology, in-process in ``colocated``), and the target (in the coordinator's process by default,
-so verification runs where its logits are; an actor with ``target_placement: actor``; a tensor-parallel group
-of rank actors when ``tp_size > 1``), every one built by :func:`cluster.models.build.build_handle`.
+Counterpart of :mod:`cluster.local`: the drafters and the Max-Gram drafter (together in ONE draft-group actor
+behind the draft side in the default ``separated`` topology, :mod:`actors.draft_actor`; in-process in
+``colocated``), and the target (in the coordinator's process by default, so verification runs where its logits
+are; an actor with ``target_placement: actor``; a tensor-parallel group of rank actors when ``tp_size > 1``),
+every one built by :func:`cluster.models.build.build_handle`.  Separated, the engine's models are the target,
+the draft side (:data:`cluster.core.drafting.DRAFTS`, one round trip per step) and each drafter as a member of
+the draft-group actor (for strategies that drive one drafter directly).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from actors.mag_actor import start_mag_actor
+from actors.draft_actor import start_draft_actor
 from actors.model_actor import start_model_actor
 from actors.tp import start_tp_group
 from cluster.config.schema import Config
+from cluster.core.drafting import DRAFTS
 from cluster.models.build import build_handle, load_tokenizer
 from cluster.serving.remote import Endpoint, RemoteHandle
 
@@ -51,12 +55,15 @@ def build_unit(cfg: Config, topology: str | None = None):
                                   threads=cl.target.threads)
         started[cfg.target] = ([actor], None, "actor")
 
-    for name in cfg.drafters:
-        if separated:
-            actor = start_model_actor(cfg, name, num_cpus=cl.drafters.num_cpus, num_gpus=cl.drafters.num_gpus,
-                                      threads=cl.drafters.threads)
-            started[name] = ([actor], None, "actor")
-        else:
+    vocab = None
+    if separated and (cfg.drafters or cfg.mag is not None):     # every drafter in one draft-group actor
+        vocab = _target_vocab(cfg)
+        actor = start_draft_actor(cfg, list(cfg.drafters), vocab, num_cpus=cl.drafters.num_cpus,
+                                  num_gpus=cl.drafters.num_gpus, threads=cl.drafters.threads,
+                                  overlap=cfg.engine.overlap != "off")
+        started[DRAFTS] = ([actor], None, "actor")
+    elif not separated:
+        for name in cfg.drafters:
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
     if cfg.target not in started:                # ... or in this (the coordinator's) process, while actors load
         entries[cfg.target] = ModelEntry(cfg.target, "target", "local", build_handle(cfg, cfg.target))
@@ -68,15 +75,18 @@ def build_unit(cfg: Config, topology: str | None = None):
         endpoints.append(ep)
         role = "target" if name == cfg.target else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
-    vocab = entries[cfg.target].handle.vocab_size
-    if cfg.mag is not None and separated:                                       # MaG as an actor too ...
-        actor = start_mag_actor(cfg, vocab, num_cpus=cl.drafters.num_cpus)
-        ep = Endpoint([actor], name=cfg.mag.name, timeout_s=cl.call_timeout_s)
-        endpoints.append(ep)
-        info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
-        entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "actor", RemoteHandle(ep, info))
-    elif cfg.mag is not None:                                                   # ... or in-process
+        for member, minfo in info.get("members", {}).items():       # the draft group's drafters, one by one
+            entries[member] = ModelEntry(member, "drafter", placement,
+                                         RemoteHandle(ep, minfo, placement=placement, member=member))
+    if cfg.mag is not None and not separated:                                   # MaG in-process too
+        vocab = entries[cfg.target].handle.vocab_size
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
                                            build_handle(cfg, cfg.mag.name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     return ordered, load_tokenizer(cfg), endpoints
+
+
+def _target_vocab(cfg: Config) -> int:
+    """The target's vocabulary size (the Max-Gram drafter's table is built for it), from its config alone."""
+    from cluster.models.build import model_vocab_size
+    return model_vocab_size(cfg, cfg.target)

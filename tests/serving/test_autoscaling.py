@@ -33,7 +33,7 @@ def _unit_actors() -> collections.Counter:
     # Ray's GCS actor table (a private API of the pinned Ray; the state API needs the dashboard)
     from ray._private.state import actors
     return collections.Counter(a["ActorClassName"] for a in actors().values()
-                               if a["State"] != "DEAD" and a["ActorClassName"] in ("ModelHost", "MagHost", "TPRank"))
+                               if a["State"] != "DEAD" and a["ActorClassName"] in ("ModelHost", "DraftHost", "TPRank"))
 
 
 def test_units_scale_up_and_down_under_load_with_no_failures(served, tmp_path):

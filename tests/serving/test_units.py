@@ -73,6 +73,66 @@ def test_remote_handles_match_in_process_with_one_call_per_model_per_step(tiny_e
             ep.calls.clear()
 
 
+@pytest.fixture(scope="module")
+def grouped_engine(tiny_engine):
+    """The separated layout without Ray: the target's ModelHost and the draft-group actor's body (DraftHost, every
+    drafter and MaG, pre-drafting in its background thread) behind RemoteHandles, as build_unit connects them."""
+    from actors.draft_actor import DraftHost
+    from actors.model_actor import ModelHost
+    from cluster.core.drafting import DRAFTS
+    from cluster.family import ensure_built
+    from cluster.serving.remote import RemoteHandle
+    data = yaml.safe_load(open(ROOT / "configs" / "tiny.yaml"))
+    data["mag"] = {}
+    cfg = config_from_dict(data)
+    ensure_built(cfg, progress=False)
+    target = InProcessEndpoint(ModelHost(cfg, cfg.target))
+    group = InProcessEndpoint(DraftHost(cfg, cfg.drafters, overlap=True))
+    info = group.actors[0].info()
+    handles = {cfg.target: RemoteHandle(target, target.actors[0].info()), DRAFTS: RemoteHandle(group, info)}
+    handles.update({n: RemoteHandle(group, mi, member=n) for n, mi in info["members"].items()})
+    return cfg, Engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), target, group
+
+
+@pytest.mark.parametrize("strategy,options", [("speculative", {}), ("mag", {}), ("cs_drafting", {}),
+                                              ("specdec_pp", {"threshold": 0.3}), ("spec_cascade", {})])
+def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped_engine, strategy, options):
+    """Drafting strategies cost one draft-side call per target forward (CS Drafting too, whose cascade makes
+    several drafter calls inside the group); greedy output equals autoregressive, pre-drafted blocks included;
+    greedy blocks travel as token ids only; a strategy that drives one drafter (speculative cascades) reaches
+    it as a member of the group; nothing is left on any model."""
+    from actors.protocol import StepCall
+    cfg, engine, target, group = grouped_engine
+    host = group.actors[0]
+    base = dict(prompt_ids=list(b"import os\nimport sys\nimport os\n"), max_new_tokens=40,
+                sampling=SamplingParams(0.0), seed=4, ignore_eos=True)
+    lossy = strategy == "spec_cascade"                # its own law: the in-process engine's output instead
+    want = tiny_engine.generate(GenerationRequest(strategy=strategy if lossy else "autoregressive",
+                                                  options=options if lossy else {}, **base)).token_ids
+    if strategy == "specdec_pp" and not engine.models["drafter-large"].__dict__.get("specdec_head"):
+        options = dict(options, head=None)
+    try:
+        got = engine.generate(GenerationRequest(strategy=strategy, options=options, **base))
+    except ParamError:                                 # tiny drafters carry no SpecDec++ head
+        assert strategy == "specdec_pp"
+        return
+    assert got.token_ids == want
+    drafts = [m for m, _ in group.calls if m == "draft_batch"]
+    scores = [m for m, _ in target.calls if m == "score_batch"]
+    if strategy in ("speculative", "mag", "cs_drafting"):
+        assert 0 < len(drafts) <= len(scores) == got.stats.target_forwards
+        assert all(m in ("draft_batch", "prefill_batch", None) for m, _ in group.calls)
+        assert engine.models["@drafts"].timing.bytes_in <= 8 * 64 * len(drafts)     # token ids, no logits
+    host._join()
+    assert not target.active_requests() and not host.side.active_requests()
+    assert all(not h.active_requests() for h in host.side.members.values())
+    if strategy in ("speculative", "mag", "cs_drafting"):   # next blocks were pre-drafted (used or dropped)
+        assert host.side.hits + host.side.misses > 0
+    target.calls.clear()
+    group.calls.clear()
+    assert isinstance(host.step(StepCall()), tuple)
+
+
 def test_configs_cluster_sections():
     for name in ("tiny", "local", "production-70b"):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")

@@ -191,6 +191,8 @@ def run_step(step, models: dict, rid: str):
         except StopIteration as stop:
             return stop.value
         value = run_group(models[call.model], type(call), [(rid, call)])[0]
+        if isinstance(value, BaseException):           # the draft side hands back a request's error
+            raise value
 
 
 def pi_joint(target: TabularModel, drafter: TabularModel, prompt: list[int], n: int, sampling, fn) -> dict:
@@ -240,6 +242,9 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
 
     def run(rng):
         drafters = {k: v for k, v in models.items() if k != target}
+        for m in drafters.values():
+            if isinstance(m, TabularModel):
+                m.rng = rng
         side = {DRAFTS: DraftSide(drafters, overlap=overlap, rng_factory=lambda s: rng)} if drafters else {}
         every = {**models, **side}
         strategy = REGISTRY[name](opts, every, target)

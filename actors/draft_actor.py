@@ -1,0 +1,92 @@
+"""The draft-group actor: every drafter of a serving unit (and the Max-Gram drafter) in one Ray actor, behind
+the draft side (:class:`cluster.core.draft_side.DraftSide`).
+
+Why one actor for all drafters (docs/cluster.md, "The draft side"): a CS Drafting step makes ~8 dependent
+drafter calls (a larger drafter reviews what the smaller ones and Max-Gram drafted); with one actor per
+drafter each was a round trip from the coordinator (~20 ms per step against a 4-7 ms target forward).
+Here they are in-process calls, and the coordinator pays ONE round trip per step for the whole block,
+whatever the cascade's depth.  Drafters are small: they fit one process (on GPUs: one device) together.
+
+Overlap: after answering a ``draft_batch`` call, the actor pre-drafts every request's next block in a
+background thread (:meth:`DraftSide.predraft`) while the coordinator's target verifies the block it just
+got; the next call waits for that thread first, so the draft side's state is only ever touched by one
+thread at a time.  Calls addressed to one drafter (``StepCall.member``: strategies that drive a drafter
+directly, e.g. speculative cascades) run on that drafter's handle.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from actors.model_actor import MAX_RESTARTS
+from actors.protocol import StepCall, apply, picklable
+from cluster.core.draft_side import DraftSide
+from cluster.models.build import build_handle
+
+
+class DraftHost:
+    """The actor body: builds the unit's drafters (``names``; ``mag`` with the target's vocabulary)."""
+
+    def __init__(self, cfg, names: list[str], vocab_size: int | None = None, threads: int = 1,
+                 overlap: bool = True):
+        torch.set_num_threads(threads)
+        members = {n: build_handle(cfg, n) for n in names}
+        if cfg.mag is not None:                  # the target's vocabulary (= every drafter's; None: theirs)
+            vocab = vocab_size or min(h.vocab_size for h in members.values())
+            members[cfg.mag.name] = build_handle(cfg, cfg.mag.name, vocab_size=vocab)
+        self.side = DraftSide(members, overlap=overlap, deferred=True)
+        self._predraft: threading.Thread | None = None
+        self.predraft_s = 0.0                   # background seconds spent pre-drafting
+
+    def info(self) -> dict:
+        def one(h) -> dict:
+            return dict(name=h.name, vocab_size=h.vocab_size, max_length=h.max_length, num_params=h.num_params,
+                        specdec_head=picklable(getattr(h, "specdec_head", None)),
+                        deterministic=bool(getattr(h, "deterministic", False)))
+        s = self.side
+        return dict(name=s.name, vocab_size=s.vocab_size, max_length=s.max_length, num_params=s.num_params,
+                    deterministic=False, members={n: one(h) for n, h in s.members.items()})
+
+    def step(self, call: StepCall):
+        """-> (packed result, compute seconds); pre-drafting of the answered block starts after it returns."""
+        t0 = time.perf_counter()
+        self._join()
+        handle = self.side if call.member is None else self.side.members[call.member]
+        out = apply(handle, call)
+        if call.member is None and self.side.pending:
+            self._predraft = threading.Thread(target=self._run_predraft, daemon=True, name="specserve-predraft")
+            self._predraft.start()
+        return out, time.perf_counter() - t0
+
+    def _run_predraft(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.side.predraft()
+        except Exception:                       # noqa: BLE001 - a failed pre-draft only loses its head start
+            pass
+        self.predraft_s += time.perf_counter() - t0
+
+    def _join(self) -> None:
+        if self._predraft is not None:
+            self._predraft.join()
+            self._predraft = None
+
+    def stats(self) -> dict:
+        """Pre-drafted blocks used / dropped, and background seconds (the benchmark reads them)."""
+        return dict(hits=self.side.hits, misses=self.side.misses, predraft_s=self.predraft_s)
+
+    def active_requests(self) -> list[str]:
+        return self.side.active_requests()
+
+    def health(self) -> dict:
+        return dict(name=self.side.name, ok=True, active=len(self.side.active_requests()))
+
+
+def start_draft_actor(cfg, names: list[str], vocab_size: int, *, num_cpus: float, num_gpus: float = 0.0,
+                      threads: int = 1, overlap: bool = True):
+    """Create the unit's draft-group actor; returns the handle (not yet waited on)."""
+    import ray
+    return ray.remote(DraftHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2,
+                                         max_restarts=MAX_RESTARTS).remote(cfg, names, vocab_size, threads, overlap)

@@ -1,0 +1,127 @@
+"""The draft side (cluster.core.draft_side) and its blocks (cluster.core.drafting): literal packing forms, exact
+output laws with pre-drafting (overlap) on, alone and batched, and pre-drafted blocks that are used."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.core.draft_side import DraftSide
+from cluster.core.drafting import DRAFTS, DraftSpec, pack_block
+from cluster.core.sampling import SamplingParams, logits_to_probs
+from cluster.engine.engine import Engine
+from cluster.engine.request import GenerationRequest
+from cluster.models.maxgram import MagHandle
+from cluster.strategies import resolve_options
+from tests.support.exact import (
+    TabularModel,
+    VocabTokenizer,
+    enumerate_outcomes,
+    max_abs_diff,
+    steps_law,
+    target_joint,
+)
+
+
+# -- literal blocks ---------------------------------------------------------------------------------
+def test_blocks_travel_in_the_smallest_exact_form():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0, 0.5, 0.2, 0.1] * 4] * 2)        # [2, 32]
+    greedy = pack_block([3, 3], logits_to_probs(logits, SamplingParams(0.0)), SamplingParams(0.0), logits=logits)
+    assert greedy.form == "onehot" and greedy.q is None and greedy.nbytes() == 16
+    assert torch.equal(greedy.probs(32, SamplingParams(0.0)), torch.nn.functional.one_hot(
+        torch.tensor([3, 3]), 32).double())
+    topk = SamplingParams(1.0, top_k=2)
+    q = logits_to_probs(logits, topk)
+    sparse = pack_block([3, 11], q, topk, logits=logits)
+    assert sparse.form == "sparse" and sparse.q.shape == (2, 4)              # 4 tokens tie at the 2nd value
+    assert torch.equal(sparse.probs(32, topk), q)                           # exactly the drawn-from rows
+    full = SamplingParams(1.0)
+    dense = pack_block([1, 2], logits_to_probs(logits, full), full, logits=logits)
+    assert dense.form == "logits" and torch.equal(dense.probs(32, full), logits_to_probs(logits, full))
+    pis = pack_block([1], logits_to_probs(logits[:1], full), full)            # a cascade's pi rows: no logits
+    assert pis.form == "dense" and pis.q.dtype == torch.float64
+    assert [len(b.tokens) for b in (sparse.tail(1, 4), sparse.tail(0, 1))] == [1, 1]
+    assert greedy.nbytes() < sparse.nbytes() < dense.nbytes()
+
+
+# -- exact laws with pre-drafting -------------------------------------------------------------------
+@pytest.mark.parametrize("strategy,opts,sampling", [
+    ("speculative", dict(drafter="d", k=2), SamplingParams(1.0)),
+    ("speculative", dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2)),
+])
+def test_overlap_keeps_the_target_law_exactly(strategy, opts, sampling):
+    """Every next block is pre-drafted on the all-accepted outcome (used when it comes true, dropped
+    otherwise): the first three tokens still follow the target exactly (all draws enumerated)."""
+    target, d = TabularModel("target", 3, seed=5), TabularModel("d", 3, seed=6, zeros=True)
+    models = {"target": target, "d": d}
+    got = steps_law(strategy, resolve_options(strategy, opts, {}), models, "target", [0, 1], sampling, 3, 4,
+                    overlap=True)
+    assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+
+
+def test_overlap_keeps_the_cascade_law_exactly():
+    """CS Drafting on the draft side (two tabular drafters reviewing MaG, lenience below the target), with
+    pre-drafting: exactly the target's law."""
+    target = TabularModel("target", 3, seed=0)
+    models = {"target": target, "large": TabularModel("large", 3, seed=100, zeros=True),
+              "small": TabularModel("small", 3, seed=200, zeros=True),
+              "mag": MagHandle(3, np.array([1, 2, 0]))}
+    opts = resolve_options("cs_drafting", dict(drafters="large,small,mag", kmatrix="1,0,0;0,1,0;0,0,2",
+                                               lenience=2.0), {})
+    got = steps_law("cs_drafting", opts, models, "target", [0, 1, 0], SamplingParams(1.0), 2, 4, overlap=True)
+    assert max_abs_diff(got, target_joint(target, [0, 1, 0], 2, SamplingParams(1.0))) < 1e-9
+
+
+def test_overlap_batched_engine_is_exact_per_request():
+    """Two requests decoded together by the engine with overlap on: each one's law is the target's."""
+    holder = {}
+    target, d = TabularModel("target", 3, seed=21), TabularModel("d", 3, seed=22, zeros=True)
+    engine = Engine({"target": target, "d": d}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"],
+                    overlap=True)
+    sampling = SamplingParams(1.0)
+
+    def run(rng):
+        holder["rng"] = d.rng = rng
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=3, sampling=sampling, seed=1, strategy="speculative",
+                                  options={"drafter": "d", "k": 2}, request_id=f"r{i}")
+                for i, p in enumerate(([0], [2, 1]))]
+        return tuple(tuple(r.token_ids) for r in engine.generate_many(reqs))
+
+    got = enumerate_outcomes(run)
+    for i, prompt in enumerate(([0], [2, 1])):
+        marginal: dict = {}
+        for outcome, w in got.items():
+            marginal[outcome[i]] = marginal.get(outcome[i], 0.0) + w
+        assert max_abs_diff(marginal, target_joint(target, prompt, 3, sampling)) < 1e-9
+    assert not target.seqs and not d.seqs
+
+
+def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():
+    """A drafter equal to the target: every block is accepted and its bonus token is the drafter's own next
+    token, so every block after the first was drafted ahead (a hit) and nothing is drafted twice."""
+    target, twin = TabularModel("target", 5, seed=9), TabularModel("twin", 5, seed=9)
+    side = DraftSide({"twin": twin}, overlap=True)
+    engine = Engine({"target": target, "twin": twin, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=25, sampling=SamplingParams(0.0), seed=0)
+    want = Engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "twin", "k": 4}, **req))
+    assert got.token_ids == want
+    assert side.hits >= 3 and side.misses == 0
+    assert got.stats.target_forwards == 5                        # 5 tokens per step, 25 tokens
+    assert not side.active_requests() and not twin.seqs
+
+
+def test_spec_change_or_a_rejection_drops_the_predraft():
+    target, d = TabularModel("target", 4, seed=1), TabularModel("d", 4, seed=2)
+    side = DraftSide({"d": d}, overlap=True)
+    side.prefill("r", [0, 1], SamplingParams(0.0), 0)
+    spec = DraftSpec("propose", ("d",))
+    (block,) = side.draft_batch([("r", spec, 2, 10)])
+    assert side._reqs["r"].pre is not None and side._reqs["r"].pre.expect[:4] == [0, 1, *block.tokens]
+    side.rollback("r", 2)                                       # nothing accepted: another token committed
+    side.extend("r", [(block.tokens[0] + 1) % 4])
+    side.draft_batch([("r", spec, 2, 10)])
+    assert side.misses == 1 and side.hits == 0
+    side.release("r")
+    assert not d.seqs and not side.active_requests()
