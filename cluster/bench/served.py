@@ -8,7 +8,7 @@ goes to 127.0.0.1.
 
 Rows (``--strategies``, default all the config can serve): ``autoregressive``; ``default`` (a request
 naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
-(drafter-large, or the config's default drafter, k=4); ``mag`` (Max-Gram drafter, k=4) and
+(drafter-large, or the config's default drafter, fixed k=4); ``mag`` (Max-Gram drafter, fixed k=4) and
 ``cs_drafting`` (default options).  At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32,
 clamped to ``engine.max_batch + engine.max_queue``) every row runs one cell in turn (interleaved, so a
 noisy machine affects them alike): ``c`` client threads send streaming requests (``GenerateStream``)
@@ -62,8 +62,8 @@ def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
     drafter = PREFERRED_DRAFTER if PREFERRED_DRAFTER in drafters else cfg.engine.options.get("drafter")
     return {"autoregressive": ("autoregressive", {}),
             "default": (None, {}),
-            "speculative": ("speculative", {"k": K, **({"drafter": drafter} if drafter else {})}),
-            "mag": ("mag", {"k": K}),
+            "speculative": ("speculative", {"k": K, "plan": "fixed", **({"drafter": drafter} if drafter else {})}),
+            "mag": ("mag", {"k": K, "plan": "fixed"}),
             "cs_drafting": ("cs_drafting", {})}
 
 

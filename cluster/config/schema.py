@@ -247,6 +247,8 @@ def _coerce(tp, value, path):
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is str and isinstance(value, bool):          # YAML reads a bare on/off/yes/no as a boolean
+        return "on" if value else "off"
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
     return value

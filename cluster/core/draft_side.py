@@ -53,6 +53,14 @@ class _Req:
     held: dict[str, list[int]] = field(default_factory=dict)   # drafter -> tokens it holds
     agreed: dict[str, int] = field(default_factory=dict)       # drafter -> prefix known equal to seq
     pre: _Pre | None = None
+    tries: int = 0                          # pre-drafted blocks this request got, and how many were used
+    hits: int = 0
+
+    def worth_predrafting(self, min_hit: float, probe_every: int) -> bool:
+        """Pre-draft while the request's pre-drafts come true often enough (Laplace estimate >= min_hit;
+        a pre-draft that misses costs draft-side work, free only while that side would idle), and probe
+        every ``probe_every``-th step otherwise, so a request whose drafts become predictable is noticed."""
+        return (self.hits + 1) / (self.tries + 2) >= min_hit or self.tries % probe_every == 0
 
 
 class DraftSide:
@@ -60,6 +68,11 @@ class DraftSide:
 
     name = DRAFTS
     deterministic = False
+
+    MIN_HIT = 0.3          # pre-draft a request's next block while at least this share of its pre-drafts is used
+    PROBE_EVERY = 8
+    MAX_ROWS = 8           # pre-draft only for calls of at most this many requests (under load the draft side
+                           # is busy and a wasted pre-draft is not free)
 
     def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng):
         if not members:
@@ -121,8 +134,10 @@ class DraftSide:
         for i, (rid, spec, limit, budget) in enumerate(items):
             st = self._get(rid)
             pre, st.pre = st.pre, None
+            st.tries += pre is not None
             if pre is not None and pre.spec == spec and pre.expect == st.seq and len(pre.block.tokens) > 1:
                 self.hits += 1
+                st.hits += 1
                 out[i] = pre.block.tail(1, limit)        # the drafters already hold it
             else:
                 self.misses += pre is not None
@@ -142,10 +157,11 @@ class DraftSide:
         """Draft the next block of every request of the last call (see the module docstring)."""
         todo, self._todo = self._todo, []
         runs = []
-        for rid, spec, limit, budget, block in todo:
+        for rid, spec, limit, budget, block in (todo if len(todo) <= self.MAX_ROWS else []):
             st = self._reqs.get(rid)
             nxt = min(limit, budget - len(block.tokens) - 2)   # the next step's limit if all is accepted
-            if st is None or not block.tokens or nxt < 1 or st.last != block.tokens:
+            if st is None or not block.tokens or nxt < 1 or st.last != block.tokens or \
+                    not st.worth_predrafting(self.MIN_HIT, self.PROBE_EVERY):
                 continue
             runs.append((len(runs), rid, spec, list(block.tokens), nxt + 1))
         for (_, rid, spec, work, _), pre in zip(runs, self._run(runs)):

@@ -39,7 +39,7 @@ The greedy choice is among k = 0 and the measured k > 0 (every k while the band 
 k > 0 is taken only if it beats k = 0 by ``margin``; ties go to the smaller k.
 
 **Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) runs a neighbour of the current
-best instead (best + 1, best - 1, 0 in turn).  The only quicker probes, 2 plans later, follow a probe that
+best instead (best + 1, best - 1, 0, k_max in turn).  The only quicker probes, 2 plans later, follow a probe that
 won (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
 lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation does not pay (high batch) the
@@ -255,7 +255,10 @@ class Planner:
 
     @staticmethod
     def _neighbours(best: int, k_max: int) -> list[int]:
-        out = [k for k in (best + 1, best - 1, 0) if 0 <= k <= k_max and k != best]
+        """Probe order around the best: one up, one down, plain decoding, and the longest draft -- goodput
+        need not be concave in k (a draft-side round trip is paid once per step, whatever k: k = 1 can lose
+        to k = 0 while k = 4 wins), so a walk over neighbours alone can stall at k = 0."""
+        out = [k for k in (best + 1, best - 1, 0, k_max) if 0 <= k <= k_max and k != best]
         return list(dict.fromkeys(out)) or [best]
 
     def report(self) -> dict[tuple[str, str], dict]:
