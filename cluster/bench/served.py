@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cluster.bench.projection import project
 from cluster.bench.report import print_table, write_results
 from cluster.bench.served_cells import Cell, in_process_cell, served_cell
 from cluster.engine.request import GenerationRequest
@@ -223,6 +224,8 @@ def collect(args, cfg) -> Results:
     write_results(table, out, "bench_served")
     plot(cells, rows, levels, out / "bench_served.png")
     print(f"results written to {out / 'bench_served'}.{{csv,json,png}}")
+    print_table(project(), "projection for configs/production-70b.yaml's layout (cost model, inputs in "
+                           "cluster/bench/projection.py; not measured: no GPU here)")
     checked = sum(len(cl.ok) for cl in cells.values())
     print(f"lossless (greedy): {checked - len(mismatches)}/{checked} outputs equal autoregressive's for the "
           f"same prompt" + ("" if not mismatches else "  <-- MISMATCH"))

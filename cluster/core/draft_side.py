@@ -22,7 +22,9 @@ verified); otherwise it is dropped and drafting starts from the true prefix.  Lo
 a block is only ever verified against the prefix it was drafted from, with the distributions it was drawn
 from, and the draws that made it are independent of the target's draws that decide whether it is used.
 Where the draft side shares a process with the target (in-process) nothing runs concurrently, so overlap
-is off there unless forced (the exact-enumeration tests force it to cover the path).
+is off there unless forced (the exact-enumeration tests force it to cover the path).  Only greedy requests
+are pre-drafted unless ``sampled=True`` (see ``__init__``): a seed then reproduces a sampled request's
+tokens in every runtime.
 """
 from __future__ import annotations
 
@@ -74,10 +76,15 @@ class DraftSide:
     MAX_ROWS = 8           # pre-draft only for calls of at most this many requests (under load the draft side
                            # is busy and a wasted pre-draft is not free)
 
-    def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng):
+    def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng,
+                 sampled: bool = False):
         if not members:
             raise ValueError("a draft side needs at least one drafter")
         self.members = dict(members)
+        # sampled: pre-draft sampled requests too (exact either way; the tests prove it).  Off by default so a
+        # sampled request's draws follow one stream whatever the runtime: a seed gives the same tokens
+        # in-process and served (a pre-draft that is dropped would have consumed draws)
+        self.sampled = sampled
         # deferred: the host calls predraft() after answering (an actor, while the target verifies); else
         # draft_batch pre-drafts before it returns (in-process: same blocks, nothing gained, path covered)
         self.overlap, self.deferred = overlap, deferred
@@ -161,7 +168,7 @@ class DraftSide:
             st = self._reqs.get(rid)
             nxt = min(limit, budget - len(block.tokens) - 2)   # the next step's limit if all is accepted
             if st is None or not block.tokens or nxt < 1 or st.last != block.tokens or \
-                    not st.worth_predrafting(self.MIN_HIT, self.PROBE_EVERY):
+                    not (self.sampled or st.sampling.greedy) or not st.worth_predrafting(self.MIN_HIT, self.PROBE_EVERY):
                 continue
             runs.append((len(runs), rid, spec, list(block.tokens), nxt + 1))
         for (_, rid, spec, work, _), pre in zip(runs, self._run(runs)):

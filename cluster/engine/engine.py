@@ -71,6 +71,7 @@ class Engine:
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
+        self._ended: list[Sequence] = []    # ended this step, on_end still to call (after the flush)
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
 
     @classmethod
@@ -97,7 +98,8 @@ class Engine:
     def add(self, req: GenerationRequest | PreparedRequest, sink: Callable[[StreamChunk], None] | None = None,
             on_end: Callable[[Sequence], None] | None = None) -> Sequence:
         """Queue a request (it joins the batch at the next step); raises ParamError / OverloadedError.
-        ``sink`` gets its chunks; ``on_end`` is called once the request has left, whatever the outcome."""
+        ``sink`` gets its chunks; ``on_end`` is called once the request has left, whatever the outcome (at
+        the end of the step, once its state is released on every model)."""
         req = self.prepare(req)
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
@@ -174,6 +176,9 @@ class Engine:
                 self._end(seq)
                 ended.append(seq)
         self._flush()
+        done, self._ended = self._ended, []
+        for seq in done:
+            seq.on_end(seq)
         return ended
 
     def _flush(self) -> None:
@@ -289,7 +294,7 @@ class Engine:
             self.scheduler.remove(seq)
             self._live.pop(seq.rid, None)
         if seq.on_end is not None:
-            seq.on_end(seq)
+            self._ended.append(seq)      # called after the step's flush: its state is gone everywhere by then
 
     # -- one request, driven in the caller's thread --------------------------------------------------
     def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:

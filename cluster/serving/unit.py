@@ -18,7 +18,7 @@ from actors.model_actor import start_model_actor
 from actors.tp import start_tp_group
 from cluster.config.schema import Config
 from cluster.core.drafting import DRAFTS
-from cluster.models.build import build_handle, load_tokenizer
+from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
 from cluster.serving.remote import Endpoint, RemoteHandle
 
 STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
@@ -27,7 +27,7 @@ STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may tak
 @dataclass
 class ModelEntry:
     name: str
-    role: str                       # target | drafter
+    role: str                       # target | drafter | draft-side
     placement: str                  # local | actor | tp-group
     handle: Any
 
@@ -55,9 +55,8 @@ def build_unit(cfg: Config, topology: str | None = None):
                                   threads=cl.target.threads)
         started[cfg.target] = ([actor], None, "actor")
 
-    vocab = None
     if separated and (cfg.drafters or cfg.mag is not None):     # every drafter in one draft-group actor
-        vocab = _target_vocab(cfg)
+        vocab = model_vocab_size(cfg, cfg.target)     # the Max-Gram table's, from the config alone
         actor = start_draft_actor(cfg, list(cfg.drafters), vocab, num_cpus=cl.drafters.num_cpus,
                                   num_gpus=cl.drafters.num_gpus, threads=cl.drafters.threads,
                                   overlap=cfg.engine.overlap != "off")
@@ -73,7 +72,7 @@ def build_unit(cfg: Config, topology: str | None = None):
         ep = Endpoint(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
                       rebuild=rebuild if placement == "tp-group" else None)
         endpoints.append(ep)
-        role = "target" if name == cfg.target else "drafter"
+        role = "target" if name == cfg.target else "draft-side" if name == DRAFTS else "drafter"
         entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
         for member, minfo in info.get("members", {}).items():       # the draft group's drafters, one by one
             entries[member] = ModelEntry(member, "drafter", placement,
@@ -84,9 +83,3 @@ def build_unit(cfg: Config, topology: str | None = None):
                                            build_handle(cfg, cfg.mag.name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     return ordered, load_tokenizer(cfg), endpoints
-
-
-def _target_vocab(cfg: Config) -> int:
-    """The target's vocabulary size (the Max-Gram drafter's table is built for it), from its config alone."""
-    from cluster.models.build import model_vocab_size
-    return model_vocab_size(cfg, cfg.target)

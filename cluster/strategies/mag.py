@@ -29,7 +29,7 @@ def find_mag(models) -> str:
     if MAG_NAME in models:
         return MAG_NAME
     raise ParamError("strategy", "a config with a `mag:` section (the Max-Gram drafter is not served)",
-                     ", ".join(models))
+                     ", ".join(n for n in models if n != DRAFTS))
 
 
 @register

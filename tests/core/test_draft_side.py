@@ -73,27 +73,27 @@ def test_overlap_keeps_the_cascade_law_exactly():
 
 
 def test_overlap_batched_engine_is_exact_per_request():
-    """Two requests decoded together by the engine with overlap on: each one's law is the target's."""
+    """A sampled request decoded together with a greedy one by the engine, pre-drafting on: the sampled one's
+    law is the target's, the greedy one is the target's argmax path (its draws enumerated alongside)."""
     holder = {}
     target, d = TabularModel("target", 3, seed=21), TabularModel("d", 3, seed=22, zeros=True)
-    engine = Engine({"target": target, "d": d}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"],
-                    overlap=True)
-    sampling = SamplingParams(1.0)
+    side = DraftSide({"d": d}, overlap=True, rng_factory=lambda s: holder["rng"], sampled=True)
+    engine = Engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"])
+    sampling, greedy = SamplingParams(1.0), SamplingParams(0.0)
+    want_greedy = target_joint(target, [2, 1], 3, greedy)
 
     def run(rng):
         holder["rng"] = d.rng = rng
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=3, sampling=sampling, seed=1, strategy="speculative",
-                                  options={"drafter": "d", "k": 2}, request_id=f"r{i}")
-                for i, p in enumerate(([0], [2, 1]))]
-        return tuple(tuple(r.token_ids) for r in engine.generate_many(reqs))
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=4, sampling=sp, seed=1, strategy="speculative",
+                                  options={"drafter": "d", "k": 1}, request_id=f"r{i}")
+                for i, (p, sp) in enumerate((([0], sampling), ([2, 1], greedy)))]
+        out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
+        assert out[1] in want_greedy
+        return out[0]
 
     got = enumerate_outcomes(run)
-    for i, prompt in enumerate(([0], [2, 1])):
-        marginal: dict = {}
-        for outcome, w in got.items():
-            marginal[outcome[i]] = marginal.get(outcome[i], 0.0) + w
-        assert max_abs_diff(marginal, target_joint(target, prompt, 3, sampling)) < 1e-9
-    assert not target.seqs and not d.seqs
+    assert max_abs_diff(got, target_joint(target, [0], 3, sampling)) < 1e-9
+    assert not target.seqs and not d.seqs and side.hits + side.misses > 0
 
 
 def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():

@@ -22,6 +22,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.serving.client import SpecServeClient
+from cluster.core.drafting import DRAFTS  # noqa: E402
 from cluster.strategies import REGISTRY  # noqa: E402
 from tests.support.polling import poll as _poll
 
@@ -40,7 +41,8 @@ def test_health_serving_after_warmup(served):
     assert c.health() == "SERVING"
     info = c.server_info()
     assert info.ready and info.topology == "separated"
-    assert {m.name for m in info.models} == set(cfg.models)
+    assert {m.name for m in info.models} == set(cfg.models) | {DRAFTS}       # + the draft side hosting the drafters
+    assert {m.role for m in info.models if m.name == DRAFTS} == {"draft-side"}
     assert {s.name for s in info.strategies} == set(REGISTRY)
     with pytest.raises(grpc.RpcError) as e:
         c.health("no.such.Service")
@@ -156,7 +158,7 @@ def test_unary_deadline_frees_state(served):
     rid = "deadline"
     with pytest.raises(grpc.RpcError) as e:
         c.stub.Generate(c.request(prompt_ids=PROMPT, max_new_tokens=512, ignore_eos=True, strategy="autoregressive",
-                                  request_id=rid), metadata=c.metadata, timeout=0.5)
+                                  request_id=rid), metadata=c.metadata, timeout=0.15)   # 512 steps take longer
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _poll(lambda: all(rid not in s for s in _active(c).values()), "the abandoned request to be released")
     done = [r for r in c.server_info().recent if r.request_id == rid]
@@ -309,6 +311,7 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
         assert torch.allclose(tp.score("r", []), single.score("r", []), atol=1e-4, rtol=0)
         for h in (tp, single):
             h.release("r")
+        tp.flush()                                   # a remote handle queues a release until the step's end
         assert coord.active_requests()["target"] == []
         local = engine_for(cfg)
         for strategy in ("autoregressive", "speculative"):

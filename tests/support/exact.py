@@ -245,7 +245,7 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
         for m in drafters.values():
             if isinstance(m, TabularModel):
                 m.rng = rng
-        side = {DRAFTS: DraftSide(drafters, overlap=overlap, rng_factory=lambda s: rng)} if drafters else {}
+        side = {DRAFTS: DraftSide(drafters, overlap=overlap, rng_factory=lambda s: rng, sampled=True)} if drafters else {}
         every = {**models, **side}
         strategy = REGISTRY[name](opts, every, target)
         for h in every.values():
