@@ -71,7 +71,7 @@ class Engine:
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
-        self._ended: list[Sequence] = []    # ended this step, on_end still to call (after the flush)
+        self._ended: list[Sequence] = []    # ended this step: still live until the step's flush released them
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
 
     @classmethod
@@ -177,8 +177,11 @@ class Engine:
                 ended.append(seq)
         self._flush()
         done, self._ended = self._ended, []
-        for seq in done:
-            seq.on_end(seq)
+        for seq in done:                 # its state is released everywhere now: it leaves, and is told so
+            with self._lock:
+                self._live.pop(seq.rid, None)
+            if seq.on_end is not None:
+                seq.on_end(seq)
         return ended
 
     def _flush(self) -> None:
@@ -292,9 +295,7 @@ class Engine:
                 log.exception("release of %s on %s failed", seq.rid, name)
         with self._lock:
             self.scheduler.remove(seq)
-            self._live.pop(seq.rid, None)
-        if seq.on_end is not None:
-            self._ended.append(seq)      # called after the step's flush: its state is gone everywhere by then
+        self._ended.append(seq)          # live, and on_end, until the step's flush has released its state
 
     # -- one request, driven in the caller's thread --------------------------------------------------
     def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
