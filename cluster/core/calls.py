@@ -2,10 +2,12 @@
 
 A strategy's step (and a draft program, :mod:`cluster.core.drafting`) is a generator that yields these
 calls and receives their results; whoever drives it (the engine, or the draft side for many requests)
-groups the calls of many requests per (model, kind) and runs each group as ONE batched call with
-:func:`run_group`.  """
+groups the calls of many requests per (model, kind) (:func:`group_calls`), runs each group as ONE batched
+call (:func:`run_group`) and sends each result back into its generator (:func:`advance`).
+"""
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,3 +94,26 @@ def prefill(handle, items: list[tuple]) -> None:
     else:
         for item in items:
             handle.prefill(*item)
+
+
+def group_calls(pending: dict[Any, ModelCall], target: str | None = None) -> dict[tuple[str, type], list[Any]]:
+    """The calls to run this round, keyed by (model, kind).  With a ``target``: every other model's calls
+    first, the target's only once no request waits on a drafter, so all of a step's verifications share one
+    target pass (the engine); without one, every pending call (the draft side)."""
+    drafting = [key for key, call in pending.items() if call.model != target]
+    groups: dict[tuple[str, type], list[Any]] = defaultdict(list)
+    for key in drafting or list(pending):
+        call = pending[key]
+        groups[(call.model, type(call))].append(key)
+    return groups
+
+
+def advance(key, gen, value, pending: dict, done: dict) -> None:
+    """Send ``value`` into generator ``gen``: its next call goes to ``pending[key]``, its return value (or the
+    exception it raised: it fails that request only) to ``done[key]``."""
+    try:
+        pending[key] = gen.send(value)
+    except StopIteration as stop:
+        done[key] = stop.value
+    except Exception as e:                               # noqa: BLE001 - an error fails its own request
+        done[key] = e

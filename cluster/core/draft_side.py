@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.core.calls import prefill, run_group
+from cluster.core.calls import advance, group_calls, prefill, run_group
 from cluster.core.drafting import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.errors import ModelUnavailableError
@@ -190,8 +190,8 @@ class DraftSide:
 
     def _run(self, runs) -> list:
         """Run the programs of ``runs`` = [(key, rid, spec, work, limit)] together; in order, a block or the
-        exception that failed that request (a drafter's error fails only the requests that used it; a
-        drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down with it)."""
+        exception that failed that request (a drafter's or a program's error fails only the requests it
+        touched; a drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down)."""
         done: dict = self._prefill_members(runs)
         gens, pending = {}, {}
         for key, rid, spec, work, limit in runs:
@@ -200,12 +200,9 @@ class DraftSide:
             st = self._reqs[rid]
             dc = DraftCtx(rid, self.members, st.sampling, st.rng, self._syncer(st, rid), self._holder(st))
             gens[key] = (rid, run_program(spec, dc, work, limit))
-            self._advance(key, gens[key][1], None, pending, done)
+            advance(key, gens[key][1], None, pending, done)
         while pending:
-            groups: dict[tuple[str, type], list] = {}
-            for key, call in pending.items():
-                groups.setdefault((call.model, type(call)), []).append(key)
-            for (model, kind), keys in groups.items():
+            for (model, kind), keys in group_calls(pending).items():
                 try:
                     results = run_group(self.members[model], kind, [(gens[k][0], pending[k]) for k in keys])
                 except ModelUnavailableError:
@@ -218,15 +215,8 @@ class DraftSide:
                         gens[key][1].close()
                         done[key] = result
                     else:
-                        self._advance(key, gens[key][1], result, pending, done)
+                        advance(key, gens[key][1], result, pending, done)
         return [done[key] for key, *_ in runs]
-
-    @staticmethod
-    def _advance(key, gen, value, pending, done) -> None:
-        try:
-            pending[key] = gen.send(value)
-        except StopIteration as stop:
-            done[key] = stop.value
 
     def _prefill_members(self, runs) -> dict:
         """Prefill, batched per drafter, the drafters a run needs and its request has not used yet; returns

@@ -4,7 +4,7 @@ Three roles, as in nano-vllm: admission (:mod:`cluster.engine.validate`: a reque
 :class:`PreparedRequest`), the :class:`Scheduler` (who runs; no torch), and the model handles (who own
 the device).  :meth:`Engine.step` glues them: requests join between steps (their prompts prefilled in
 one batched call per model), every running request's strategy step advances together -- their model
-calls grouped per model into one batched call per round (:mod:`cluster.engine.batching`) -- and each
+calls grouped per model into one batched call per round (:mod:`cluster.core.calls`) -- and each
 request's tokens go through its stop rules and out as a :class:`StreamChunk`.  A batch of one is just a
 case of it; in-process (CLI, tests, benchmarks) and the cluster (over remote handles) run this same loop.
 """
@@ -15,12 +15,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from cluster.core.calls import advance, group_calls, prefill, run_group
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
-from cluster.engine.batching import group_calls, prefill, run_group
 from cluster.engine.health import ModelHealth
 from cluster.engine.request import (
     GenerationRequest,
@@ -239,7 +239,7 @@ class Engine:
             if seq.status == FINISHED:
                 continue
             gens[seq] = self._step_of(seq)
-            self._advance(seq, gens[seq], None, pending, out)
+            advance(seq, gens[seq], None, pending, out)
         while pending:
             for (model, kind), seqs in group_calls(pending, self.target).items():
                 try:
@@ -255,12 +255,12 @@ class Engine:
                         gens[seq].close()                # a drafter went away: redo this step on the target
                         self.models[self.target].rollback(seq.rid, len(seq.ctx.tokens))
                         gens[seq] = self._step_of(seq)
-                        self._advance(seq, gens[seq], None, pending, out)
+                        advance(seq, gens[seq], None, pending, out)
                     elif isinstance(result, BaseException):
                         gens[seq].close()
                         out[seq] = result
                     else:
-                        self._advance(seq, gens[seq], result, pending, out)
+                        advance(seq, gens[seq], result, pending, out)
         return out
 
     def _step_of(self, seq: Sequence):
@@ -269,15 +269,6 @@ class Engine:
         if roles & (self.health.down | seq.stale):
             return self._fallback.step(seq.ctx)
         return seq.req.strategy.step(seq.ctx)
-
-    @staticmethod
-    def _advance(seq, gen, value, pending, out) -> None:
-        try:
-            pending[seq] = gen.send(value)
-        except StopIteration as stop:
-            out[seq] = stop.value
-        except Exception as e:                           # noqa: BLE001 - a strategy error fails its request
-            out[seq] = e
 
     def _fail(self, seq: Sequence, error: BaseException, finish: str = "error") -> None:
         log.error("request %s failed: %s: %s", seq.rid, type(error).__name__, error)

@@ -183,7 +183,7 @@ def engine_vs_target(vocab: int, k: int, n: int, seed: int, sampling, verify: st
 
 def run_step(step, models: dict, rid: str):
     """Drive one strategy step (a generator of model calls) directly against ``models``, unbatched."""
-    from cluster.engine.batching import run_group
+    from cluster.core.calls import run_group
     value = None
     while True:
         try:
