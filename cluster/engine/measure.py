@@ -15,28 +15,13 @@ import time
 from functools import partial
 from typing import Mapping
 
+from cluster.core.calls import Score, prefill, run_group
 from cluster.core.cost_model import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.planner import Planner
 
 ROWS = (1, 2, 4, 8, 16, 32)        # batch sizes measured (capped by the engine's max_batch, at most 32)
 NEW_TOKENS = (1, 2, 3, 5, 9)       # tokens fed per row by the target's forward: k + 1 for k = 0, 1, 2, 4, 8
-
-
-def _prefill(handle, items) -> None:
-    if hasattr(handle, "prefill_batch"):
-        handle.prefill_batch(items)
-    else:
-        for item in items:
-            handle.prefill(*item)
-
-
-def _score(handle, items) -> None:
-    if hasattr(handle, "score_batch"):
-        handle.score_batch(items)
-    else:
-        for rid, draft in items:
-            handle.score(rid, draft)
 
 
 def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
@@ -48,15 +33,15 @@ def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context
     result = {}
     for r in rows:
         rids = [f"__grid{i}" for i in range(r)]
-        _prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
-                          for i, rid in enumerate(rids)])
+        prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
+                         for i, rid in enumerate(rids)])
         try:
             for t in new_tokens:
-                draft = [1] * (t - 1)
+                calls = [(rid, Score(handle.name, (1,) * (t - 1))) for rid in rids]
                 times = []
                 for it in range(iters + 1):                  # one warm-up
                     t0 = time.perf_counter()
-                    _score(handle, [(rid, draft) for rid in rids])
+                    run_group(handle, Score, calls)          # one batched forward (or per request)
                     if it:
                         times.append(time.perf_counter() - t0)
                     for rid in rids:
