@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cluster.bench.report import print_table, write_results
+from cluster.bench.report import print_table, save_concurrency_plot, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -376,17 +376,9 @@ def plot(measured, runtimes, rows, levels, path: Path) -> None:
             style = "-" if rt == "in-process" else "--"
             ax1.plot(levels, [m.tok_s for m in ms], style, marker="o", label=f"{rt}: {name}")
             ax2.plot(levels, [1e3 * m.tpot_p99() for m in ms], style, marker="o", label=f"{rt}: {name}")
-    for ax, ylabel in ((ax1, "aggregate output tokens/s"), (ax2, "p99 TPOT (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels)
-        ax.set_xticklabels([str(c) for c in levels])
-        ax.set_xlabel("concurrency (closed-loop clients)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
     ax1.set_title("throughput vs concurrency")
     ax2.set_title("p99 time per output token vs concurrency")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_concurrency_plot(fig, [(ax1, "aggregate output tokens/s"), (ax2, "p99 TPOT (ms)")], levels,
+                          "concurrency (closed-loop clients)", path)
     plt.close(fig)

@@ -93,3 +93,18 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def save_concurrency_plot(fig, panels, levels: list[int], xlabel: str, path: Path) -> None:
+    """Finish a figure whose panels are plotted against concurrency (``panels`` = [(axis, y label)]): log2 x
+    with a tick per measured level, labels and grid; then save it to ``path`` (120 dpi)."""
+    for ax, ylabel in panels:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.bench.projection import project
-from cluster.bench.report import print_table, write_results
+from cluster.bench.report import print_table, save_concurrency_plot, write_results
 from cluster.bench.served_cells import Cell, in_process_cell, served_cell
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -328,17 +328,9 @@ def plot(cells, rows, levels, path: Path) -> None:
                  if ("served", "autoregressive", c) in cells and cells[("served", "autoregressive", c)].tok_s]
         ax2.plot([c for c, _ in ratio], [r for _, r in ratio], "-", marker="o", color=line.get_color(), label=name)
     ax2.axhline(1.0, linestyle="--", color="gray", linewidth=1)
-    for ax, ylabel in ((ax1, "output tokens/s (x: in-process, c=1)"), (ax2, "tokens/s / autoregressive's")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels)
-        ax.set_xticklabels([str(c) for c in levels])
-        ax.set_xlabel("concurrency (closed-loop gRPC clients)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
     ax1.set_title("served throughput (separated topology)")
     ax2.set_title("ratio to autoregressive, same concurrency")
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_concurrency_plot(fig, [(ax1, "output tokens/s (x: in-process, c=1)"), (ax2, "tokens/s / autoregressive's")],
+                          levels, "concurrency (closed-loop gRPC clients)", path)
     plt.close(fig)
