@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from cluster.bench.report import print_table, save_concurrency_plot, write_results
+from cluster.bench.report import Timed, print_table, save_concurrency_plot, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -59,13 +59,8 @@ def parse_runtimes(text) -> list[str]:
 
 
 @dataclass
-class _Rec:
-    """One request as its client saw it."""
-
-    submit: float
-    first: float | None = None
-    last: float | None = None
-    token_ids: list[int] = field(default_factory=list)
+class _Rec(Timed):
+    """One request as its client saw it, recorded chunk by chunk."""
 
     def on_chunk(self, chunk) -> None:
         now = time.perf_counter()
@@ -74,15 +69,6 @@ class _Rec:
         self.last = now
         if chunk.result is not None:
             self.token_ids = list(chunk.result.token_ids)
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.submit
-
-    @property
-    def tpot(self) -> float:
-        n = len(self.token_ids)
-        return (self.last - self.first) / (n - 1) if n > 1 else 0.0
 
 
 @dataclass

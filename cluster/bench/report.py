@@ -14,6 +14,27 @@ from pathlib import Path
 
 
 @dataclass
+class Timed:
+    """One streamed request as its client saw it: submitted, first tokens, last chunk, its tokens; the load
+    and served suites' records extend it."""
+
+    submit: float
+    first: float | None = None
+    last: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.submit
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first."""
+        n = len(self.token_ids)
+        return (self.last - self.first) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
 class Row:
     """One benchmark row: totals over all prompts."""
 

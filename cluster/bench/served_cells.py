@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from cluster.bench.report import Timed
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
@@ -14,24 +15,11 @@ from cluster.serving.client import SpecServeClient
 
 
 @dataclass
-class Rec:
+class Rec(Timed):
     """One request: which prompt, when it was sent, its first and last chunk, its tokens or its error."""
 
-    prompt: int
-    submit: float
-    first: float | None = None
-    end: float | None = None
-    token_ids: list[int] = field(default_factory=list)
+    prompt: int = 0
     error: str | None = None          # gRPC status name
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.submit
-
-    @property
-    def tpot(self) -> float:
-        n = len(self.token_ids)
-        return (self.end - self.first) / (n - 1) if n > 1 else 0.0
 
 
 @dataclass
@@ -76,7 +64,7 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
     lock = threading.Lock()
 
     def one(j: int) -> None:
-        rec = recs[j] = Rec(j % len(prompts), time.perf_counter())
+        rec = recs[j] = Rec(time.perf_counter(), prompt=j % len(prompts))
         streamed: list[int] = []
         try:
             for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
@@ -88,8 +76,8 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
                     streamed += chunk.token_ids
                 if chunk.HasField("result"):
                     rec.token_ids = list(chunk.result.token_ids)
-                rec.end = now
-            if rec.first is None or rec.end is None:
+                rec.last = now
+            if rec.first is None or rec.last is None:
                 rec.error = "NO_TOKENS"
             elif not rec.token_ids:
                 rec.token_ids = streamed
@@ -113,7 +101,7 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         t.start()
     for t in threads:
         t.join()
-    ends = [r.end for r in recs if r.end is not None]
+    ends = [r.last for r in recs if r.last is not None]
     return recs, (max(ends) if ends else time.perf_counter()) - t0
 
 
@@ -121,15 +109,15 @@ def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tu
     """The same ``n`` requests one after another on the in-process engine (c = 1)."""
     recs, total = [], 0.0
     for j in range(n):
-        rec = Rec(j % len(prompts), time.perf_counter())
+        rec = Rec(time.perf_counter(), prompt=j % len(prompts))
         try:
             res = engine.generate(_request(prompts[rec.prompt], max_new, strategy, opts, j))
             rec.token_ids = list(res.token_ids)
         except ParamError as e:
             rec.error = type(e).__name__
-        rec.end = time.perf_counter()
-        rec.first = rec.first or rec.end
-        total += rec.end - rec.submit
+        rec.last = time.perf_counter()
+        rec.first = rec.first or rec.last
+        total += rec.last - rec.submit
         recs.append(rec)
     return recs, total
 

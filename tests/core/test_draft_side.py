@@ -113,7 +113,7 @@ def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():
 
 
 def test_spec_change_or_a_rejection_drops_the_predraft():
-    target, d = TabularModel("target", 4, seed=1), TabularModel("d", 4, seed=2)
+    d = TabularModel("d", 4, seed=2)
     side = DraftSide({"d": d}, overlap=True)
     side.prefill("r", [0, 1], SamplingParams(0.0), 0)
     spec = DraftSpec("propose", ("d",))
