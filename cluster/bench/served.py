@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cluster.bench.load import parse_concurrency
 from cluster.bench.projection import project
 from cluster.bench.report import print_table, save_concurrency_plot, write_results
 from cluster.bench.served_cells import Cell, in_process_cell, served_cell
@@ -78,13 +79,7 @@ def parse_strategies(text) -> list[str]:
 
 def parse_levels(text, cap: int) -> tuple[list[int], str | None]:
     """``"1,2,4"`` -> sorted distinct levels, each clamped to ``cap``; plus a note when any was clamped."""
-    try:
-        levels = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text) from None
-    if not levels:
-        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text)
-    levels = [check_int("concurrency", c, 1, 1024) for c in levels]
+    levels = parse_concurrency(text)
     over = sorted({c for c in levels if c > cap})
     note = (f"concurrency {', '.join(map(str, over))} clamped to {cap} = engine.max_batch + engine.max_queue "
             f"(more clients would be refused with RESOURCE_EXHAUSTED)") if over else None
