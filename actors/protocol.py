@@ -11,7 +11,7 @@ draft-group actor (:mod:`actors.draft_actor`) hosts the draft side and every dra
 
 Bytes per step and request (embedded family, V = 4096): a ``draft_batch`` answer is a
 :class:`cluster.core.drafting.DraftBlock` -- 8 B per token when greedy or deterministic, the truncated
-support (12-16 B per kept token) under top-k / top-p, L x V x 4 B of logits only for untruncated sampling;
+support (16 B per kept token: id + float64 probability) under top-k / top-p, L x V x 4 B of logits only for untruncated sampling;
 a per-drafter ``propose`` of k tokens returns k x V x 4 B (16 KiB per token; 512 KiB for a 128k vocabulary),
 which is why verification runs where the target's logits are (see docs/cluster.md, "Bytes per step").
 """
