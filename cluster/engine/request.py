@@ -15,6 +15,8 @@ MAX_STOP_STRINGS, MAX_STOP_LEN = 8, 64
 
 MAX_SEED = 2**63 - 1
 
+MAX_TOP_LOGPROBS = 20              # top-n alternatives per token (OpenAI's top_logprobs limit)
+
 
 # Request size limits, checked before any expensive work (tokenizing, copying, parsing option values).
 MAX_MESSAGE_BYTES = 8 << 20        # a whole gRPC request message or HTTP body
@@ -28,6 +30,20 @@ MAX_JSON_DEPTH = 32                # HTTP body nesting
 
 # The smallest positive temperature: logits / T must stay finite (a subnormal T overflows to inf -> NaN).
 MIN_TEMPERATURE = 1e-4
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one token and its top-n alternatives (most likely first).
+
+    Log-probabilities are ``log_softmax`` of the target's raw logits at that position, before the
+    request's temperature / top-k / top-p ("raw logprobs", what vLLM reports by default). For lossy
+    strategies (speculative cascades, lossy speculative sampling) they are still the target's, not the
+    distribution the token was drawn from."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()     # [n] (token id, logprob), n = the request's top count
 
 
 @dataclass
@@ -44,6 +60,8 @@ class GenerationRequest:
     options: dict[str, Any] = field(default_factory=dict)
     request_id: str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None          # None: none; n in [0, MAX_TOP_LOGPROBS]: each emitted token's logprob + top-n
+    prompt_logprobs: int | None = None   # None: none; n: each prompt token's logprob + top-n (the first has none)
 
 
 @dataclass
@@ -54,6 +72,7 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None
     result: "GenerationResult | None" = None   # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids (when the request asked)
 
 
 @dataclass
@@ -64,10 +83,21 @@ class GenerationResult:
     stats: RequestStats
     seed: int
     request_id: str
+    logprobs: list[TokenLogprob] | None = None                  # aligned with token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None    # aligned with the prompt ids; [0] is None
 
     def to_dict(self) -> dict:
-        return dict(token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
-                    seed=self.seed, request_id=self.request_id, stats=self.stats.to_dict())
+        out = dict(token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
+                   seed=self.seed, request_id=self.request_id, stats=self.stats.to_dict())
+        if self.logprobs is not None:
+            out["logprobs"] = [_logprob_dict(lp) for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [lp and _logprob_dict(lp) for lp in self.prompt_logprobs]
+        return out
+
+
+def _logprob_dict(lp: TokenLogprob) -> dict:
+    return dict(token_id=lp.token_id, logprob=lp.logprob, top=[list(t) for t in lp.top])
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,8 @@ class PreparedRequest:
     stop: tuple[str, ...]
     ignore_eos: bool
     strategy: Strategy                 # bound to the engine's models, options resolved
+    logprobs: int | None = None        # top-n per emitted token (None: no logprobs)
+    prompt_logprobs: int | None = None  # top-n per prompt token (None: no prompt logprobs)
 
     @property
     def strategy_name(self) -> str:

@@ -24,6 +24,7 @@ from cluster.engine.request import (
     MAX_SEED,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     GenerationRequest,
     PreparedRequest,
@@ -37,7 +38,11 @@ def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: T
             vocab_size: int) -> PreparedRequest:
     """Validate ``req`` against the served models (raises :class:`ParamError` naming the field, the
     allowed range and the value) and tokenize its prompt; returns the one object that flows down."""
-    max_new = check_int("max_new_tokens", req.max_new_tokens, 1, max_new_tokens_limit)
+    logprobs = check_top_logprobs("logprobs", req.logprobs)
+    prompt_logprobs = check_top_logprobs("prompt_logprobs", req.prompt_logprobs)
+    # max_new_tokens = 0 is a prompt-scoring request (OpenAI echo + logprobs, lm-eval's loglikelihood)
+    max_new = check_int("max_new_tokens", req.max_new_tokens, 0 if prompt_logprobs is not None else 1,
+                        max_new_tokens_limit)
     check_sampling(req.sampling)
     check_request_id(req.request_id)
     name = check_strategy(req.strategy or default_strategy)
@@ -65,7 +70,7 @@ def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: T
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
     seed = check_int("seed", seed, 0, MAX_SEED)
     return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
-                           tuple(req.stop), req.ignore_eos, strategy)
+                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs)
 
 
 def _too_long(n: int, max_len: int, max_new: int) -> ParamError:
@@ -79,6 +84,11 @@ def check_sampling(sampling: SamplingParams) -> None:
     t = sampling.temperature
     if 0.0 < t < MIN_TEMPERATURE:
         raise ParamError("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", t)
+
+
+def check_top_logprobs(name: str, value: Any) -> int | None:
+    """None (no logprobs) or the number of top alternatives per token, in [0, MAX_TOP_LOGPROBS]."""
+    return None if value is None else check_int(name, value, 0, MAX_TOP_LOGPROBS)
 
 
 def check_request_id(rid: Any) -> None:
