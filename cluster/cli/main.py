@@ -16,13 +16,12 @@ from cluster.cli.cs import add_cs_commands, run_cs_command
 from cluster.cli.demo import add_demo_command, cmd_demo
 from cluster.cli.loadtest import add_loadtest_command, cmd_loadtest
 from cluster.config.paths import default_cache_dir
-from cluster.core.sampling import SamplingParams
-from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, ParamError, check_int
 from cluster.family import build_family
 from cluster.family.cache import load_manifest
 from cluster.family.evaluate import format_summary
 from cluster.local import build_engine
+from cluster.serving.requests import Fields, build_request
 from cluster.strategies import REGISTRY, all_options
 
 
@@ -121,15 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def request_from_args(args, cfg):
-    """A validated GenerationRequest from CLI flags over the config's defaults."""
-    gen = cfg.generation
-    sampling = SamplingParams(
-        temperature=gen.temperature if args.temperature is None else args.temperature,
-        top_p=gen.top_p if args.top_p is None else args.top_p,
-        top_k=gen.top_k if args.top_k is None else args.top_k)
-    max_new = check_int("max_new_tokens", gen.max_new_tokens if args.max_new_tokens is None
-                        else args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
-    seed = None if args.seed is None else check_int("seed", args.seed, 0, 2**63 - 1)
+    """A GenerationRequest from CLI flags over the config's defaults (the one request path,
+    :mod:`cluster.serving.requests`); the strategy and its options are range-checked before any model loads."""
     options = {name: getattr(args, "opt_" + name) for name in all_options()
                if getattr(args, "opt_" + name, None) is not None}
     strategy = args.strategy or cfg.engine.strategy
@@ -142,8 +134,9 @@ def request_from_args(args, cfg):
                              f"{', '.join(sorted(declared)) or 'none'})", options[name])
     for name, value in options.items():       # range-check before loading any model
         all_options()[name].parse(value)
-    return GenerationRequest(prompt=args.prompt, max_new_tokens=max_new, sampling=sampling, seed=seed,
-                             stop=tuple(args.stop), strategy=strategy, options=options)
+    return build_request(cfg, Fields(prompt=args.prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                     stop=tuple(args.stop), strategy=strategy, options=options))
 
 
 def cmd_generate(args) -> int:

@@ -8,13 +8,7 @@ import asyncio
 import grpc
 
 from cluster.config.schema import Config, load_config
-from cluster.errors import (
-    DeadlineExceededError,
-    ModelUnavailableError,
-    OverloadedError,
-    ParamError,
-    shown,
-)
+from cluster.errors import shown
 from cluster.serving.auth import (
     OPERATOR,
     Unauthenticated,
@@ -23,19 +17,21 @@ from cluster.serving.auth import (
 )
 from cluster.serving.coordinator import Coordinator
 from cluster.serving.deploy import DEPLOYMENT, deployment_options, serve_config
+from cluster.serving.error_table import classify, message, refusal_outcome
 from cluster.serving.grpc_api import (
     SERVICE,
     MalformedRequest,
+    chunk_to_proto,
+    fields_from_proto,
     log,
     malformed_error,
-    request_from_proto,
     result_to_proto,
     server_info,
 )
 from cluster.serving.http_app import build_http_app
-from cluster.serving.metrics import make_metrics, refusal_outcome, strategy_label
+from cluster.serving.metrics import make_metrics, strategy_label
+from cluster.serving.requests import admit
 from protos import specserve_pb2 as pb
-from protos.guard import INTERNAL_DETAILS
 
 # -- the deployment --------------------------------------------------------------------------------
 
@@ -79,37 +75,28 @@ class SpecServeDeployment:
 
     # -- gRPC ---------------------------------------------------------------------------------------
     def _fail(self, ctx, exc: BaseException, strategy: str | None, empty=None):
-        """Map ``exc`` to a status on ``ctx`` and return ``empty`` (the method's empty response): a refused
-        request is answered, not raised through Serve (which would log a traceback for each).  Messages are
-        ours and bounded (ParamError echoes a truncated value); the metric label is a validated strategy."""
-        if isinstance(exc, Unauthenticated):
-            code, msg, outcome = grpc.StatusCode.UNAUTHENTICATED, str(exc), "unauthenticated"
-        elif isinstance(exc, ParamError):
-            code, msg, outcome = grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid"
-        elif isinstance(exc, OverloadedError):
-            code, msg, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded"
-        elif isinstance(exc, ModelUnavailableError):
-            code, msg, outcome = grpc.StatusCode.UNAVAILABLE, str(exc), "error"
-        elif isinstance(exc, DeadlineExceededError):
-            code, msg, outcome = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), "error"
-        else:
+        """Map ``exc`` to a status on ``ctx`` through the one error table (:mod:`cluster.serving.error_table`)
+        and return ``empty`` (the method's empty response): a refused request is answered, not raised
+        through Serve (which would log a traceback for each).  Messages are ours and bounded (ParamError
+        echoes a truncated value); the metric label is a validated strategy."""
+        kind, msg = classify(exc), message(exc)
+        if kind.internal:
             log.error("internal error", exc_info=exc)
-            code, msg, outcome = grpc.StatusCode.INTERNAL, INTERNAL_DETAILS, "error"
-        if outcome in ("invalid", "overloaded", "unauthenticated"):
-            log.info("refused (%s): %s", code.name, msg)                # one line per refused request
+        elif kind.refused:
+            log.info("refused (%s): %s", kind.grpc_code, msg)             # one line per refused request
         counted = refusal_outcome(exc)             # None: the coordinator counted this request already
         if counted is not None and self.coord.metrics is not None:
             self.coord.metrics.record(strategy_label(strategy or self.cfg.engine.strategy), counted)
         if ctx is None or empty is None:
             raise _Abort(msg) from None
-        ctx.set_code(code)
+        ctx.set_code(grpc.StatusCode[kind.grpc_code])
         ctx.set_details(msg)
         return empty
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
             self._grpc_role(grpc_context)
-            req = request_from_proto(request, self.cfg)
+            req = await admit(self.coord, self.cfg, fields_from_proto(request))
             return result_to_proto(await self.coord.generate(req))
         except asyncio.CancelledError:
             raise
@@ -119,11 +106,9 @@ class SpecServeDeployment:
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         try:
             self._grpc_role(grpc_context)
-            req = request_from_proto(request, self.cfg)
+            req = await admit(self.coord, self.cfg, fields_from_proto(request))
             async for chunk in self.coord.stream(req):
-                yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
-                                       finish_reason=chunk.finish_reason or "",
-                                       result=result_to_proto(chunk.result) if chunk.result else None)
+                yield chunk_to_proto(chunk)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:                     # noqa: BLE001 - one empty chunk carries the status

@@ -31,18 +31,15 @@ from __future__ import annotations
 
 import logging
 
-from cluster.config.schema import Config
-from cluster.core.sampling import SamplingParams
 from cluster.engine.request import (
     MAX_OPTIONS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_IDS,
     MAX_STOP_STRINGS,
-    GenerationRequest,
     GenerationResult,
 )
-from cluster.engine.validate import check_request_id
-from cluster.errors import ParamError, check_int
+from cluster.errors import ParamError
+from cluster.serving.requests import Fields
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
 from protos.guard import GUARDED_SERVICER_FUNCTIONS, MalformedRequest
@@ -63,9 +60,10 @@ def malformed_error(m: MalformedRequest) -> ParamError:
 
 
 # -- requests --------------------------------------------------------------------------------------
-def request_from_proto(m: pb.GenerateRequest, cfg: Config) -> GenerationRequest:
-    """A GenerationRequest from the proto; unset optional fields take the config's defaults.  Counts and
-    lengths are checked before anything is copied (a refused message arrives as a MalformedRequest)."""
+def fields_from_proto(m: pb.GenerateRequest) -> Fields:
+    """The request's fields (:mod:`cluster.serving.requests` merges the defaults and validates); unset
+    optional fields stay None.  Counts and lengths are checked before anything is copied (a refused message
+    arrives as a MalformedRequest)."""
     if isinstance(m, MalformedRequest):
         raise malformed_error(m)
     for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
@@ -74,27 +72,11 @@ def request_from_proto(m: pb.GenerateRequest, cfg: Config) -> GenerationRequest:
                                ("options", len(m.options), MAX_OPTIONS, "options")):
         if n > cap:
             raise ParamError(name, f"at most {cap} {what}", f"{n} {what}")
-    gen = cfg.generation
-    sampling = SamplingParams(temperature=m.temperature if m.HasField("temperature") else gen.temperature,
-                              top_p=m.top_p if m.HasField("top_p") else gen.top_p,
-                              top_k=m.top_k if m.HasField("top_k") else gen.top_k)
-    return _request(cfg, prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None,
-                    max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else gen.max_new_tokens,
-                    sampling=sampling, seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
-                    strategy=m.strategy or None, options=dict(m.options), ignore_eos=m.ignore_eos,
-                    request_id=m.request_id or None)
-
-
-def _request(cfg: Config, **kw) -> GenerationRequest:
-    """The request both fronts build.  A client names a SpecDec++ head only by a served drafter's name
-    (never a file: see :mod:`cluster.strategies.specdec_pp`)."""
-    check_request_id(kw.get("request_id"))
-    kw["max_new_tokens"] = check_int("max_new_tokens", kw["max_new_tokens"], 1, cfg.engine.max_new_tokens_limit)
-    head = kw["options"].get("head")
-    if head is not None and head not in cfg.drafters:
-        raise ParamError("head", "the name of a served drafter (whose acceptance head is built): one of "
-                         + ", ".join(cfg.drafters), head)
-    return GenerationRequest(**kw)
+    opt = {name: getattr(m, name) if m.HasField(name) else None
+           for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")}
+    return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, stop=tuple(m.stop),
+                  strategy=m.strategy or None, options=dict(m.options), ignore_eos=m.ignore_eos,
+                  request_id=m.request_id or None, **opt)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -110,6 +92,11 @@ def stats_to_proto(s) -> pb.Stats:
 def result_to_proto(r: GenerationResult) -> pb.GenerateResponse:
     return pb.GenerateResponse(text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
                                stats=stats_to_proto(r.stats), seed=r.seed, request_id=r.request_id)
+
+
+def chunk_to_proto(chunk) -> pb.GenerateChunk:
+    return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason or "",
+                            result=result_to_proto(chunk.result) if chunk.result else None)
 
 
 def _allowed(opt) -> str:

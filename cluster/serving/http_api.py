@@ -4,7 +4,7 @@ The body is read up to MAX_MESSAGE_BYTES (the declared ``Content-Length`` first)
 checked (at most MAX_JSON_DEPTH levels) before it is parsed; then :class:`CompletionRequest` (pydantic, strict
 types, unknown parameters forbidden) types it and the engine validates the ranges.  Every refusal is a
 :class:`ParamError` (HTTP 400 naming the parameter, the allowed range and the value); a ``model`` other than
-the served one is :class:`UnknownModel` (HTTP 404, as vLLM answers).
+the served one is :class:`cluster.serving.error_table.UnknownModel` (HTTP 404, as vLLM answers).
 """
 from __future__ import annotations
 
@@ -22,17 +22,14 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.config.schema import Config
-from cluster.core.sampling import SamplingParams
 from cluster.engine.request import (
     MAX_JSON_DEPTH,
     MAX_MESSAGE_BYTES,
     MAX_PROMPT_IDS,
-    GenerationRequest,
     GenerationResult,
 )
-from cluster.errors import ParamError, check_int, shown
-from cluster.serving.grpc_api import _request
+from cluster.errors import ParamError, shown
+from cluster.serving.requests import Fields
 from cluster.strategies import REGISTRY
 
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -41,14 +38,6 @@ _STEPS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")        # opening +1, clos
 OFF = {"n": (1,), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
        "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
        "stream_options": (None,)}
-
-
-class UnknownModel(Exception):
-    """A ``model`` that this server does not serve (HTTP 404)."""
-
-    def __init__(self, name: Any, served: str):
-        self.name = name
-        super().__init__(f"the model {shown(name)} does not exist (served: {served!r}; see GET /v1/models)")
 
 
 DRAIN_FACTOR = 4        # an oversized body up to this many limits is read (and dropped) before it is refused
@@ -158,26 +147,18 @@ class CompletionRequest(BaseModel):
             raise ParamError(name, allowed, value) from None
 
 
-def request_from_openai(body: Any, cfg: Config) -> tuple[GenerationRequest, bool]:
-    """(request, stream) from an OpenAI completions body.  Unset sampling fields take the server config's
-    defaults; the engine checks the ranges when it prepares the request."""
+HTTP_NAMES = {"max_new_tokens": "max_tokens"}    # the engine's parameter -> the name OpenAI clients send
+
+
+def fields_from_openai(body: Any) -> tuple[Fields, CompletionRequest]:
+    """The request's fields from an OpenAI completions body, and the typed body (for the response's shape).
+    :mod:`cluster.serving.requests` merges the config's defaults; the engine checks the ranges."""
     m = CompletionRequest.from_body(body)
-    if m.model is not None and m.model != cfg.cluster.app_name:
-        raise UnknownModel(m.model, cfg.cluster.app_name)
-    gen = cfg.generation
-    sampling = SamplingParams(temperature=_or(m.temperature, gen.temperature), top_p=_or(m.top_p, gen.top_p),
-                              top_k=_or(m.top_k, gen.top_k))
-    max_tokens = check_int("max_tokens", _or(m.max_tokens, gen.max_new_tokens), 1, cfg.engine.max_new_tokens_limit)
     text, ids = (m.prompt, None) if isinstance(m.prompt, str) else (None, m.prompt)
     stop = (m.stop,) if isinstance(m.stop, str) else tuple(m.stop or ())
-    req = _request(cfg, prompt=text, prompt_ids=ids, max_new_tokens=max_tokens, sampling=sampling, seed=m.seed,
-                   stop=stop, strategy=m.strategy, options=m.options or {}, ignore_eos=m.ignore_eos,
-                   request_id=None)
-    return req, m.stream
-
-
-def _or(value, default):
-    return default if value is None else value
+    return Fields(prompt=text, prompt_ids=ids, max_new_tokens=m.max_tokens, temperature=m.temperature,
+                  top_p=m.top_p, top_k=m.top_k, seed=m.seed, stop=stop, strategy=m.strategy,
+                  options=m.options or {}, ignore_eos=m.ignore_eos, model=m.model, names=HTTP_NAMES), m
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -22,31 +22,22 @@ import json
 import logging
 import time
 
-from cluster.errors import (
-    DeadlineExceededError,
-    ModelUnavailableError,
-    OverloadedError,
-    ParamError,
-    shown,
-)
+from cluster.errors import shown
 from cluster.serving.auth import Unauthenticated, bearer_token
+from cluster.serving.error_table import classify, message, param_of, refusal_outcome
 from cluster.serving.http_api import (
-    UnknownModel,
     completion,
+    fields_from_openai,
     model_list,
     oai_error,
     parse_body,
     read_body,
-    request_from_openai,
 )
-from cluster.serving.metrics import refusal_outcome, strategy_label
+from cluster.serving.metrics import strategy_label
+from cluster.serving.requests import admit
 
 log = logging.getLogger("specserve.http")
-RETRY_AFTER = {"Retry-After": "1"}        # seconds; on HTTP 429 (overloaded) and 503 (unavailable / not ready)
-ERRORS = ((ParamError, 400, "invalid_request_error"), (UnknownModel, 404, "not_found_error"),
-          (OverloadedError, 429, "server_overloaded"), (ModelUnavailableError, 503, "service_unavailable"),
-          (DeadlineExceededError, 504, "timeout"))
-INTERNAL = "internal error (details in the server log)"
+RETRY_AFTER = {"Retry-After": "1"}        # seconds; /health's 503 while the unit is not ready
 
 
 def json_response(obj, status: int = 200, headers: dict | None = None):
@@ -81,9 +72,9 @@ def build_http_app(dep):
         try:
             body = parse_body(await read_body(request))         # size and nesting checked before parsing
             strategy = body.get("strategy") if isinstance(body, dict) else None
-            req, stream = request_from_openai(body, dep.cfg)
-            req = dep.coord.validate(req)                          # fixes request id and seed for every chunk
-            if stream:
+            fields, m = fields_from_openai(body)
+            req = await admit(dep.coord, dep.cfg, fields)          # fixes request id and seed for every chunk
+            if m.stream:
                 return await _sse(dep, req)
             r = await dep.coord.generate(req)
             return json_response(completion(dep.cfg.cluster.app_name, r, r.text, r.finish_reason, usage=True))
@@ -108,18 +99,18 @@ def build_http_app(dep):
 
 
 def refused(dep, exc: BaseException, strategy) -> object:
-    """The error response for ``exc``; counts the refusal unless the coordinator already counted it."""
-    status, kind = next(((s, k) for t, s, k in ERRORS if isinstance(exc, t)), (500, "internal_error"))
-    if status == 500:
+    """The error response for ``exc`` (the one error table); counts the refusal unless the coordinator
+    already counted it."""
+    kind = classify(exc)
+    if kind.internal:
         log.error("internal error", exc_info=exc)
-    elif status in (400, 404, 429):
-        log.info("refused (%d): %s", status, exc)                   # one line per refused request
-    outcome = "not_found" if isinstance(exc, UnknownModel) else refusal_outcome(exc)
+    elif kind.refused:
+        log.info("refused (%d): %s", kind.http_status, exc)          # one line per refused request
+    outcome = refusal_outcome(exc)
     if outcome is not None and dep.coord.metrics is not None:
         dep.coord.metrics.record(strategy_label(strategy or dep.cfg.engine.strategy), outcome)
-    param = exc.name if isinstance(exc, ParamError) else "model" if isinstance(exc, UnknownModel) else None
-    return json_response(oai_error(INTERNAL if status == 500 else str(exc), kind, param, status), status,
-                         RETRY_AFTER if status in (429, 503) else None)
+    return json_response(oai_error(message(exc), kind.openai_type, param_of(exc), kind.http_status),
+                         kind.http_status, kind.headers)
 
 
 async def _sse(dep, req):
@@ -166,11 +157,13 @@ class BearerAuth:
                 not scope["path"].rstrip("/").endswith("/health"):
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             if self.dep.keys.role(bearer_token(header)) is None:
-                log.info("refused (401): missing or invalid API key")
+                exc = Unauthenticated()
+                kind = classify(exc)
+                log.info("refused (%d): missing or invalid API key", kind.http_status)
                 if self.dep.coord.metrics is not None:
-                    self.dep.coord.metrics.record(strategy_label(self.dep.cfg.engine.strategy), "unauthenticated")
-                response = json_response(oai_error(str(Unauthenticated()), "authentication_error", None, 401), 401,
-                                         {"WWW-Authenticate": "Bearer"})
+                    self.dep.coord.metrics.record(strategy_label(self.dep.cfg.engine.strategy), kind.outcome)
+                response = json_response(oai_error(str(exc), kind.openai_type, None, kind.http_status),
+                                         kind.http_status, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

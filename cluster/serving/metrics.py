@@ -14,20 +14,15 @@ client cannot create series; recording never raises into a request.
 
 Counting: the coordinator counts every request it admitted when it ends (:meth:`Metrics.record` with the
 sequence's error, which it marks); the gRPC and HTTP fronts count what they refuse before or at admission
-(:func:`refusal_outcome` says which outcome, and None for an error the coordinator already counted).
+(:func:`cluster.serving.error_table.refusal_outcome` says which outcome, and None for an error the coordinator
+already counted).
 """
 from __future__ import annotations
 
 import logging
 
-from cluster.errors import (
-    DeadlineExceededError,
-    ModelUnavailableError,
-    OverloadedError,
-    ParamError,
-    shown,
-)
-from cluster.serving.auth import Unauthenticated
+from cluster.errors import shown
+from cluster.serving.error_table import COUNTED
 from cluster.strategies import REGISTRY
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
@@ -36,7 +31,6 @@ TOKEN_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 200
 OUTCOMES = ("ok", "cancelled", "invalid", "not_found", "overloaded", "unauthenticated", "unavailable",
             "deadline", "error")
 INVALID_LABEL = "invalid"
-COUNTED = "_specserve_counted"            # set on an error the coordinator has counted
 
 # the series as Prometheus scrapes them (histograms also as _bucket / _sum / _count)
 EXPORTED = {
@@ -65,19 +59,6 @@ def strategy_label(strategy) -> str:
 def finished_reason(reason: str | None) -> str:
     """vLLM's ``finished_reason`` label: ``stop`` (EOS or a stop string), ``length``, else ``abort``."""
     return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason or "", "abort")
-
-
-def refusal_outcome(exc: BaseException) -> str | None:
-    """The outcome a front end counts for ``exc`` (raised before a response), or None when the coordinator
-    already counted the request (an error of an admitted request, marked by :meth:`Metrics.record`)."""
-    if getattr(exc, COUNTED, False):
-        return None
-    for kind, outcome in ((Unauthenticated, "unauthenticated"), (ParamError, "invalid"),
-                          (OverloadedError, "overloaded"), (ModelUnavailableError, "unavailable"),
-                          (DeadlineExceededError, "deadline")):
-        if isinstance(exc, kind):
-            return outcome
-    return "error"
 
 
 class Metrics:

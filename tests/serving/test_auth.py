@@ -152,7 +152,6 @@ def dep(monkeypatch):
     cfg = load_config("configs/tiny.yaml")
     d = object.__new__(app_mod.SpecServeDeployment)
     d.cfg, d.keys, d.coord = cfg, Keys(API, OP), FakeCoordinator(cfg)
-    monkeypatch.setattr(app_mod, "request_from_proto", lambda m, cfg: m)
     monkeypatch.setattr(app_mod, "result_to_proto", lambda r: pb.GenerateResponse(text=r))
     return d
 

@@ -546,17 +546,18 @@ def test_specdec_head_chosen_by_drafter_name(tiny_engine, head_models):
 
 @pytest.mark.parametrize("head", ["/etc/passwd", "../configs/tiny.yaml", "target", "mag", "drafter-large/.."])
 def test_servers_refuse_a_head_that_is_not_a_served_drafter(head):
-    from cluster.serving.grpc_api import request_from_proto
-    from cluster.serving.http_api import request_from_openai
+    from cluster.serving.grpc_api import fields_from_proto
+    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.requests import build_request
     cfg = load_config("configs/tiny.yaml")
-    for parse in (lambda: request_from_proto(pb.GenerateRequest(prompt="x", strategy="specdec_pp",
-                                                                options={"head": head}), cfg),
-                  lambda: request_from_openai({"prompt": "x", "strategy": "specdec_pp", "options": {"head": head}},
-                                              cfg)):
+    for fields in (lambda: fields_from_proto(pb.GenerateRequest(prompt="x", strategy="specdec_pp",
+                                                                options={"head": head})),
+                   lambda: fields_from_openai({"prompt": "x", "strategy": "specdec_pp", "options": {"head": head}})[0]):
         with pytest.raises(ParamError) as e:
-            parse()
+            build_request(cfg, fields())
         assert e.value.name == "head" and "drafter-large, drafter-small" in str(e.value)
-    req = request_from_openai({"prompt": "x", "strategy": "specdec_pp", "options": {"head": "drafter-large"}}, cfg)[0]
+    fields = fields_from_openai({"prompt": "x", "strategy": "specdec_pp", "options": {"head": "drafter-large"}})[0]
+    req = build_request(cfg, fields)
     assert req.options == {"head": "drafter-large"}
 
 

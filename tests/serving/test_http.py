@@ -15,7 +15,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError
 from cluster.serving.auth import Keys
 from cluster.serving.http_app import build_http_app
-from cluster.serving.metrics import COUNTED, refusal_outcome
+from cluster.serving.error_table import COUNTED, refusal_outcome
 from tests.support.asgi import call
 
 CFG = load_config("configs/tiny.yaml")
@@ -159,6 +159,7 @@ def test_status_codes_retry_after_and_counting(app):
         coord.fail_with = exc
         r = _post(a, BASE)
         assert r.status == status and ("retry-after" in r.headers) == retry, (exc, r.headers)
+        assert r.headers.get("x-should-retry") == (None if retry else "false")     # 500 / 504: the SDKs don't retry
         assert "secret" not in r.json()["error"]["message"]
     assert [o for _, o in coord.metrics.records] == ["overloaded", "unavailable", "error"]   # 504: counted once
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import filecmp
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -208,20 +209,24 @@ def test_generated_stubs_are_up_to_date(tmp_path):
     ({"prompt": "x", "stop": 5}, "stop"),
     ([1, 2], "body"),
 ])
-def test_openai_request_errors_name_the_field(body, name):
-    from cluster.serving.http_api import request_from_openai
+def test_openai_request_errors_name_the_field(body, name, tiny_engine):
+    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.requests import prepare
     cfg = load_config("configs/tiny.yaml")
+    coord = SimpleNamespace(engine=tiny_engine, validate=tiny_engine.prepare)
     with pytest.raises(ParamError) as e:
-        request_from_openai(body, cfg)
+        prepare(coord, cfg, fields_from_openai(body)[0])
     assert e.value.name == name
 
 
 def test_openai_request_defaults_from_config():
-    from cluster.serving.http_api import request_from_openai
+    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.requests import build_request
     cfg = load_config("configs/tiny.yaml")
-    req, stream = request_from_openai({"prompt": ["hi"], "stop": "\n", "top_k": 5,
-                                       "strategy": "speculative", "options": {"k": 3}}, cfg)
-    assert not stream and req.prompt == "hi" and req.stop == ("\n",)
+    fields, m = fields_from_openai({"prompt": ["hi"], "stop": "\n", "top_k": 5,
+                                    "strategy": "speculative", "options": {"k": 3}})
+    req = build_request(cfg, fields)
+    assert not m.stream and req.prompt == "hi" and req.stop == ("\n",)
     assert req.max_new_tokens == cfg.generation.max_new_tokens
     assert req.sampling == dataclasses.replace(cfg.generation.sampling(), top_k=5)
     assert req.options == {"k": 3}
