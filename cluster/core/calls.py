@@ -96,6 +96,19 @@ def prefill(handle, items: list[tuple]) -> None:
             handle.prefill(*item)
 
 
+def prefill_scored(handle, items: list[tuple]) -> list[Any]:
+    """Start ``items`` = [(request id, token ids [P >= 2], sampling, seed)] on ``handle`` as :func:`prefill`
+    does, and return each prompt's raw logits ``[P-1, V]`` (row i: the distribution of ``ids[i+1]``) from the
+    same forward that fills the cache: the first token is prefilled alone, the rest but the last scored as a
+    draft (one batched forward for all items), and the last token appended as prefill leaves it, pending."""
+    prefill(handle, [(rid, ids[:1], sampling, seed) for rid, ids, sampling, seed in items])
+    name = getattr(handle, "name", "")
+    logits = run_group(handle, Score, [(rid, Score(name, tuple(ids[1:-1]))) for rid, ids, _, _ in items])
+    for rid, ids, _, _ in items:
+        handle.extend(rid, [ids[-1]])
+    return logits
+
+
 def group_calls(pending: dict[Any, ModelCall], target: str | None = None) -> dict[tuple[str, type], list[Any]]:
     """The calls to run this round, keyed by (model, kind).  With a ``target``: every other model's calls
     first, the target's only once no request waits on a drafter, so all of a step's verifications share one

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from cluster.core.calls import advance, group_calls, prefill, run_group
+from cluster.core.calls import advance, group_calls, prefill, prefill_scored, run_group
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
@@ -104,7 +104,7 @@ class Engine:
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
-                          list(req.prompt_ids), 0, eos=eos)
+                          list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs)
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s
@@ -154,6 +154,11 @@ class Engine:
         if joined:
             self._prefill(joined)
         running = [s for s in self.scheduler.running if s.status != FINISHED]
+        for seq in [s for s in running if not s.req.max_new_tokens]:   # prompt logprobs only: done once prefilled
+            running.remove(seq)
+            seq.emit(seq.accept([]))                                    # empty generation, finish "length"
+            self._end(seq)
+            ended.append(seq)
         if running:
             self.steps += 1
             self.step_rows += len(running)
@@ -166,6 +171,8 @@ class Engine:
         if self.planner is not None and running:
             self.planner.observe(time.perf_counter() - t0)
         for seq, out in outs.items():
+            if not isinstance(out, BaseException):
+                out = seq.check_logprobs(out)
             if isinstance(out, BaseException):
                 self._fail(seq, out)
                 ended.append(seq)
@@ -205,8 +212,15 @@ class Engine:
                     s.stale.add(name)
                 continue
             items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
+            scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
             try:
-                prefill(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed) for s in items])
+                prefill(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed)
+                                            for s in items if s not in scored])
+                if scored:          # the prompt's logprobs from the forward that fills the target's cache
+                    rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
+                                                               s.req.seed) for s in scored])
+                    for s, logits in zip(scored, rows):
+                        s.set_prompt_logprobs(logits)
                 for s in items:
                     s.stale.discard(name)
             except ModelUnavailableError as e:

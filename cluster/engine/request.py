@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.core.logprobs import TokenLogprob  # noqa: F401 (re-exported: part of the request contract)
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
 from cluster.strategies import Strategy
@@ -30,20 +31,6 @@ MAX_JSON_DEPTH = 32                # HTTP body nesting
 
 # The smallest positive temperature: logits / T must stay finite (a subnormal T overflows to inf -> NaN).
 MIN_TEMPERATURE = 1e-4
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability of one token and its top-n alternatives (most likely first).
-
-    Log-probabilities are ``log_softmax`` of the target's raw logits at that position, before the
-    request's temperature / top-k / top-p ("raw logprobs", what vLLM reports by default). For lossy
-    strategies (speculative cascades, lossy speculative sampling) they are still the target's, not the
-    distribution the token was drawn from."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()     # [n] (token id, logprob), n = the request's top count
 
 
 @dataclass

@@ -5,6 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.stats import RequestStats
 from cluster.engine.request import GenerationResult, PreparedRequest, StreamChunk
 from cluster.engine.stop import StopDecoder
@@ -34,6 +37,14 @@ class Sequence:
     t0: float = field(default_factory=time.perf_counter)
     deadline: float | None = None          # perf_counter time by which it must end (None: no deadline)
     stale: set[str] = field(default_factory=set)   # models that lost this request's state (re-prefill)
+    logprobs: list[TokenLogprob] | None = None      # aligned with ``generated`` when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # aligned with the prompt; [0] is None
+
+    def __post_init__(self):
+        if self.req.logprobs is not None:
+            self.logprobs = []
+        if self.req.prompt_logprobs is not None and len(self.req.prompt_ids) == 1:
+            self.prompt_logprobs = [None]          # nothing precedes the first token: nothing to score
 
     @property
     def rid(self) -> str:
@@ -51,8 +62,27 @@ class Sequence:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.req.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def set_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        """From the target's raw logits ``[P-1, V]`` over the prompt (row i: the position of prompt token i+1)."""
+        ids = list(self.req.prompt_ids)
+        self.prompt_logprobs = [None] + token_logprobs(logits, ids[1:], self.req.prompt_logprobs)
+
     def begin_step(self) -> None:
         self.ctx.budget = self.req.max_new_tokens - len(self.generated)
+        self.ctx.step_logprobs = None
+
+    def check_logprobs(self, new: list[int]) -> list[int] | BaseException:
+        """``new`` if the step recorded the target's logprobs of each of its tokens (when asked), else an error
+        that fails this request (a strategy that does not call ``StepContext.record_logprobs``)."""
+        got = self.ctx.step_logprobs or []
+        if self.logprobs is None or [lp.token_id for lp in got] == list(new):
+            return new
+        return RuntimeError(f"strategy {self.req.strategy_name} recorded logprobs for {len(got)} of its "
+                            f"{len(new)} tokens")
 
     def accept(self, new: list[int]) -> StreamChunk:
         """Apply EOS, the token budget and stop strings to one step's tokens; returns the chunk to emit."""
@@ -66,9 +96,13 @@ class Sequence:
         new = new[:req.max_new_tokens - len(self.generated)]
         self.ctx.tokens.extend(new)
         self.generated.extend(new)
+        if self.logprobs is not None:     # the same cuts as the ids: EOS, the budget, a stop string
+            self.logprobs.extend((self.ctx.step_logprobs or [])[:len(new)])
         text, stopped = self.decoder.push(self.generated)
         if stopped is not None:            # keep the ids up to the stop string, even mid-block
             self.generated, finish = self.generated[:max(stopped, streamed)], "stop"
+            if self.logprobs is not None:
+                self.logprobs = self.logprobs[:len(self.generated)]
         elif finish is None and len(self.generated) >= req.max_new_tokens:
             finish = "length"
         if finish is not None:
@@ -77,9 +111,11 @@ class Sequence:
         stats.wall_s = time.perf_counter() - self.t0
         self.finish = finish
         if finish is not None:
-            self.result = GenerationResult(self.generated, self.decoder.text, finish, stats, req.seed, req.rid)
+            self.result = GenerationResult(self.generated, self.decoder.text, finish, stats, req.seed, req.rid,
+                                           self.logprobs, self.prompt_logprobs)
         # this step's ids that survive EOS, the budget and a stop string: the chunks concatenate to the result
-        return StreamChunk(self.generated[streamed:], text, finish, self.result)
+        return StreamChunk(self.generated[streamed:], text, finish, self.result,
+                           None if self.logprobs is None else self.logprobs[streamed:])
 
     def emit(self, chunk: StreamChunk) -> None:
         (self.sink or self.chunks.append)(chunk)

@@ -14,8 +14,9 @@ class Autoregressive(Strategy):
         return [self.target_name]
 
     def step(self, ctx: StepContext):
-        p = ctx.probs((yield Score(self.target_name, ())))  # [1, V]
+        logits = yield Score(self.target_name, ())          # [1, V]
         ctx.stats.forward(self.target_name, target=True)
-        tok = sample(p[0], ctx.rng)
+        tok = sample(ctx.probs(logits)[0], ctx.rng)
         ctx.commit([ctx.target], 0, [tok])
+        ctx.record_logprobs(logits, [tok])
         return [tok]

@@ -25,6 +25,7 @@ import torch
 from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle
+from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.core.stats import RequestStats
 from cluster.errors import ParamError, check_choice, check_float, check_int
@@ -79,6 +80,8 @@ class StepContext:
     planned_k: int | None = None   # draft length chosen by the engine's load-aware planner, if enabled
     eos: int | None = None         # the token that ends this request (None: it ignores EOS)
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
+    logprobs: int | None = None    # top-n of the target's logprobs per emitted token (None: not asked)
+    step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
 
     @property
     def target(self) -> ModelHandle:
@@ -86,6 +89,13 @@ class StepContext:
 
     def probs(self, logits: torch.Tensor, sampling: SamplingParams | None = None) -> torch.Tensor:
         return logits_to_probs(logits, sampling or self.sampling)
+
+    def record_logprobs(self, target_logits: torch.Tensor, emitted: list[int]) -> None:
+        """Every strategy calls this once per step with the target's raw logits ``[>= N, V]`` whose row i
+        is the position of ``emitted[i]`` (N tokens): the target's logprobs of what the step emits, whatever
+        produced the tokens.  Free when the request did not ask (``logprobs`` None)."""
+        if self.logprobs is not None:
+            self.step_logprobs = token_logprobs(target_logits, emitted, self.logprobs)
 
     def commit(self, handles, kept: int, new: list[int]) -> None:
         """Roll ``handles`` back to ``len(tokens) + kept`` tokens, then append ``new`` (pending)."""

@@ -117,7 +117,9 @@ def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn, bonus:
     else:
         new = [sample(p[k], ctx.rng)]
     ctx.commit([target, drafter], accepted, new)
-    return draft[:accepted] + new
+    emitted = draft[:accepted] + new
+    ctx.record_logprobs(p_logits, emitted)       # the target's numbers, not pi's (lossy: see the module)
+    return emitted
 
 
 @register
@@ -180,12 +182,19 @@ class TokenCascade(_Cascade):
                 kept += toks                                                   # keep q's sample
                 continue
             # defer: drop the drafter's token; one target pass over the kept run gives p here
-            p = ctx.probs((yield Score(self.target_name, tuple(kept)))[-1])    # [V]
+            p_logits = yield Score(self.target_name, tuple(kept))              # [len(kept)+1, V]
             ctx.stats.forward(self.target_name, target=True)
-            tok = sample(p, ctx.rng)
+            tok = sample(ctx.probs(p_logits[-1]), ctx.rng)
             ctx.commit([target, drafter], len(kept), [tok])
+            ctx.record_logprobs(p_logits, kept + [tok])
             return kept + [tok]
-        ctx.commit([target], 0, kept)              # the target catches up on its next call
+        if ctx.logprobs is None:
+            ctx.commit([target], 0, kept)          # the target catches up on its next call
+        else:                                      # the target's logprobs cost it one pass over the run
+            p_logits = yield Score(self.target_name, tuple(kept))              # [len(kept)+1, V]
+            ctx.stats.forward(self.target_name, target=True)
+            ctx.commit([target], len(kept), [])
+            ctx.record_logprobs(p_logits, kept)
         return kept
 
 
@@ -207,4 +216,5 @@ class OracleCascade(_Cascade):
         pi = cascade_target(q, p, self.opts["rule"], self.alpha, q_raw, p_raw)
         tok = sample(pi[0], ctx.rng)
         ctx.commit([target, drafter], 0, [tok])
+        ctx.record_logprobs(p_logits, [tok])
         return [tok]

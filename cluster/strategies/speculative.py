@@ -59,11 +59,14 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     for name, n in block.forwards.items():
         ctx.stats.forward(name, n)
     draft = block.tokens
-    p = ctx.probs((yield Score(ctx.target_name, tuple(draft))))                     # [L+1, V]
+    p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
+    p = ctx.probs(p_logits)
     ctx.stats.forward(ctx.target_name, target=True)
     q = block.probs(p.shape[-1], ctx.sampling) if draft else p[:0]                # [L, V]
     verdict = verify(draft, q, p, ctx.rng)
     if draft:
         ctx.stats.verification(len(draft), verdict.accepted)
     ctx.commit([ctx.target, ctx.models[DRAFTS]], verdict.accepted, [verdict.next_token])
-    return draft[:verdict.accepted] + [verdict.next_token]
+    emitted = draft[:verdict.accepted] + [verdict.next_token]
+    ctx.record_logprobs(p_logits, emitted)
+    return emitted
