@@ -7,10 +7,11 @@ holds); a forward feeds each row's ``tokens[cached:]``, right-padded to the long
 
   input_ids     [B, n]        pending tokens, padding id 0 after a row's own ``n_b``
   position_ids  [B, n]        cached_b + j
-  attention     [B, 1, n, T]  key t visible to query j of row b iff t <= cached_b + j (T = max cached_b + n);
-                              additive float (0 / dtype min), for sdpa and eager alike (faster than bool on CPU).
-                              masking_utils returns an already prepared 4D mask as-is, and the slot cache writes
-                              row b's new keys at cached_b + j, so padding only writes beyond the row's length.
+  attention     [B, 1, n, T]  key t visible to query j of row b iff t <= cached_b + j (T = max cached_b + n),
+                              and on sliding-window layers also t > cached_b + j - W: one additive mask per
+                              layer type (:mod:`cluster.models.support`), which masking_utils returns as-is;
+                              the slot cache writes row b's new keys at cached_b + j, so padding only writes
+                              beyond the row's length.
   logits        [B, n, V]     only each row's first ``n_b`` rows are kept; hidden states [B, n, H] likewise.
 
 Rollback, extend and release are bookkeeping only (stale cache positions are masked and later overwritten).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from cluster.core.draft_stop import DraftStop
 from cluster.core.sampling import (
@@ -36,6 +37,7 @@ from cluster.core.sampling import (
 )
 from cluster.models.head import resolve_head
 from cluster.models.slot_cache import SlotCache
+from cluster.models.support import attention_layout, build_masks, position_limit
 
 
 @dataclass
@@ -55,11 +57,12 @@ class BatchedHFWorker:
         self.name = name
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.max_length = int(max_length or getattr(cfg, "max_position_embeddings", 2048))
+        self.layout = attention_layout(cfg, type(model))     # ConfigError for what cannot be served exactly
+        self.max_length = int(max_length or position_limit(cfg))
         self.num_params = sum(p.numel() for p in model.parameters())
         self.deterministic = False
         self.device = next(model.parameters()).device
-        self._cache = SlotCache(int(cfg.num_hidden_layers), self.max_length)
+        self._cache = SlotCache(self.layout.layer_types, self.max_length)
         self._requests: dict[str, _Request] = {}
         self._free: set[int] = set()                  # released slots below _next_slot
         self._next_slot = 0
@@ -68,7 +71,9 @@ class BatchedHFWorker:
     @classmethod
     def from_pretrained(cls, path: str | Path, name: str, *, dtype: str = "float32",
                         device: str = "cpu", **kwargs) -> "BatchedHFWorker":
-        """Load a local HF checkpoint directory (safetensors + config); never reaches a hub."""
+        """Load a local HF checkpoint directory (safetensors + config); never reaches a hub.  Refused with a
+        :class:`ConfigError` before any weight is read when the worker cannot serve it exactly."""
+        attention_layout(AutoConfig.from_pretrained(str(path), local_files_only=True))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
                                                      local_files_only=True, **kwargs)
         if "tp_plan" not in kwargs:
@@ -193,16 +198,6 @@ class BatchedHFWorker:
             live = [i for i in live if i not in done]
         return [(toks, torch.stack(lgs)) if lgs else ([], torch.empty(0, self.vocab_size)) for toks, lgs in out]
 
-    def _mask(self, offsets: list[int], n: int, length: int) -> torch.Tensor:
-        """[B, 1, n, T]: key t visible to query j of row b iff t <= offsets[b] + j."""
-        limit = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)  # [B, n]
-        visible = torch.arange(length, device=self.device)[None, None, :] <= limit[:, :, None]           # [B, n, T]
-        visible = visible[:, None]
-        # additive float for every implementation: with sdpa a bool mask was measured ~1.5x slower at 16-32 rows
-        dtype = self.model.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible,
-                                                                                       torch.finfo(dtype).min)
-
     @torch.inference_mode()
     def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None):
         """Feed each row's ``tokens[cached:end]`` in one forward; per row (logits ``[n_b, V]``, final hidden
@@ -221,7 +216,8 @@ class BatchedHFWorker:
         ids = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long, device=self.device)
         pos = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)
         self._cache.plan([r.slot for r in rows], offsets, n)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self._mask(offsets, n, max(offsets) + n),
+        mask = build_masks(self.layout, offsets, n, max(offsets) + n, self.model.dtype, self.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                          past_key_values=self._cache, use_cache=True,
                          **({"output_hidden_states": True} if hidden else {}))
         logits = out.logits.float().cpu()                                           # [B, n, V]

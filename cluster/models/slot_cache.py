@@ -9,6 +9,10 @@ then writes the new ``[B, Hkv, n, D]`` states at positions ``offset_b + j`` of s
 rows' ``[B, Hkv, T, D]`` states, T = max(offset_b + n).  Positions beyond a row's valid length (padding writes,
 rolled-back tokens) are stale but harmless: the caller's mask hides them and later writes overwrite them, so
 rollback is bookkeeping only.
+
+Sliding-window layers (``is_sliding``) keep the full buffer like the others: the mask hides keys older than
+the window (:mod:`cluster.models.support`), so rollback stays bookkeeping and every layer shares one plan;
+the price is memory, up to (capacity - window) positions per sliding layer and slot that are never read.
 """
 from __future__ import annotations
 
@@ -38,11 +42,10 @@ class SlotLayer(CacheLayerMixin):
     """One layer's ``[S, Hkv, C, D]`` key/value buffers, indexed by the shared :class:`_Plan`."""
 
     is_croppable = False
-    is_sliding = False
 
-    def __init__(self, plan: _Plan, max_len: int):
+    def __init__(self, plan: _Plan, max_len: int, is_sliding: bool = False):
         super().__init__()
-        self.plan, self.max_len = plan, max_len
+        self.plan, self.max_len, self.is_sliding = plan, max_len, is_sliding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -99,9 +102,10 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """One cache for all requests of a worker: batch row b of a forward reads/writes slot ``slots[b]``."""
 
-    def __init__(self, num_layers: int, max_len: int):
+    def __init__(self, layer_types: tuple[str, ...], max_len: int):
+        """``layer_types [L]``: each decoder layer's attention kind (``sliding_attention`` marks it sliding)."""
         self._plan = _Plan()
-        super().__init__(layers=[SlotLayer(self._plan, max_len) for _ in range(num_layers)])
+        super().__init__(layers=[SlotLayer(self._plan, max_len, kind == "sliding_attention") for kind in layer_types])
 
     def plan(self, slots: list[int], offsets: list[int], n: int) -> None:
         """Rows ``slots [B]`` with ``offsets [B]`` cached positions each receive ``n`` new (padded) tokens."""
