@@ -37,7 +37,7 @@ from cluster.core.sampling import (
 )
 from cluster.models.head import resolve_head
 from cluster.models.slot_cache import SlotCache
-from cluster.models.support import attention_layout, build_masks, position_limit
+from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit
 
 
 @dataclass
@@ -73,7 +73,10 @@ class BatchedHFWorker:
                         device: str = "cpu", **kwargs) -> "BatchedHFWorker":
         """Load a local HF checkpoint directory (safetensors + config); never reaches a hub.  Refused with a
         :class:`ConfigError` before any weight is read when the worker cannot serve it exactly."""
-        attention_layout(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        attention_layout(config)
+        if kwargs.get("distributed_config") is not None:
+            check_tensor_parallel(config, kwargs["distributed_config"].tp_size)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
                                                      local_files_only=True, **kwargs)
         if "tp_plan" not in kwargs:

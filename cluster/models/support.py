@@ -91,6 +91,19 @@ def attention_layout(config, model_cls: type | None = None) -> AttentionLayout:
     return AttentionLayout(tuple(types), {k: min(w) for k, w in windows.items()}, mapping)
 
 
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """Refuse ``tp_size`` ranks for a checkpoint transformers has no tensor-parallel plan for
+    (``base_model_tp_plan``, e.g. GPT-2) or whose attention / key-value heads do not split evenly."""
+    text = config.get_text_config(decoder=True)
+    if not getattr(text, "base_model_tp_plan", None):
+        raise _refuse(config, f"tp_size={tp_size}: transformers has no tensor-parallel plan (base_model_tp_plan) "
+                              "for it; serve it with cluster.tp_size: 1")
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if not heads or heads % tp_size or kv % tp_size:
+        raise _refuse(config, f"tp_size={tp_size} must divide its {heads} attention and {kv} key/value heads")
+
+
 def position_limit(config) -> int:
     """The longest sequence the checkpoint's positions cover (``max_position_embeddings``; GPT-2's
     ``n_positions`` through its attribute map).  A sliding window does not limit it: later positions still

@@ -18,7 +18,8 @@ from cluster.config.schema import config_from_dict
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
-from tests.support.architectures import CONFIGS, oracle_greedy, write_checkpoint, write_drafter
+from tests.support.architectures import CONFIGS, oracle_greedy, tiny_model, write_checkpoint, write_drafter
+from tests.support.tp_ranks import free_port, run_tp
 
 torch.set_num_threads(1)
 NEW = 32
@@ -106,3 +107,29 @@ def test_matrix_greedy_equals_transformers(root, name):
     check(mixed, seqs)
     spec = [s.stats for s, (_, v) in zip(seqs, mixed) if VARIANTS[v][1].get("drafter") == "self"]
     assert sum(st.accepted_tokens for st in spec) > 0                # the accept path ran too
+
+
+def test_tensor_parallel_matrix(root):
+    """Every architecture with a tensor-parallel plan, its target sharded over two gloo ranks with
+    transformers' plan: greedy output of autoregressive, speculative and block-verified decoding equals the
+    no-cache oracle; GPT-2, without a plan, is refused at load (tests/models/test_support.py)."""
+    names = [n for n in ARCHS if CONFIGS[n][0]().base_model_tp_plan]
+    ps, new = prompts()[:2], 24
+    variants = VARIANTS[:3]
+    jobs = []
+    for n in names:
+        if not (root / n).is_dir():
+            write_checkpoint(root, n)
+        jobs.append((n, {"target": {"path": str(root / n)}, "self": {"path": str(write_drafter(root, n))}},
+                     ps, new, variants))
+    results = run_tp(jobs, free_port())
+    for n in names:
+        got = results[n]
+        assert isinstance(got, dict), got                              # else the rank's traceback
+        assert got["sharded"] > 0, n                                   # the target really was split
+        model = tiny_model(n)
+        for i, p in enumerate(ps):
+            want, margins = oracle_greedy(model, p, new)
+            cut = next((j for j, m in enumerate(margins) if m < TIE), new)
+            for v in range(len(variants)):
+                assert got["tokens"][i * len(variants) + v][:cut] == want[:cut], (n, variants[v], len(p))
