@@ -72,6 +72,10 @@ def attention_layout(config, model_cls: type | None = None) -> AttentionLayout:
     if config.model_type not in VERIFIED:
         raise _refuse(config, "it is not in the architecture matrix verified exact "
                               f"(tests/models/test_architectures.py): {', '.join(VERIFIED.values())}")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa"):
+        raise _refuse(config, f"attn_implementation {impl!r}: the worker's prepared 4D masks need eager or sdpa "
+                              "(flash and flex kernels take no such mask)")
     text = config.get_text_config(decoder=True)
     if getattr(text, "use_bidirectional_attention", False):
         raise _refuse(config, "use_bidirectional_attention=True is not causal")

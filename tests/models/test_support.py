@@ -129,3 +129,13 @@ def test_at_the_limit_runs(limited):
                                    (60, 40, "autoregressive", {})):   # a drafter's limit binds only its requests
         result = limited.generate(_request(n, new, strategy, **opts))
         assert len(result.token_ids) == new, (n, new, strategy)
+
+
+def test_attention_implementation():
+    """Gemma-2 loads with eager attention (its soft-capping; transformers' sdpa refuses softcap), and a
+    kernel that ignores a prepared 4D mask (flex, flash) is refused rather than served unmasked."""
+    assert BatchedHFWorker(tiny_model("gemma2"), "g").model.config._attn_implementation == "eager"
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ConfigError, match="attn_implementation 'flex_attention'"):
+        BatchedHFWorker(model, "flex")
