@@ -13,12 +13,14 @@ from cluster.config.paths import family_cache
 from cluster.config.schema import Config
 from cluster.family.bigram import ensure_bigram
 from cluster.family.build import build_zoo
+from cluster.family.chat import ensure_chat_template
 from cluster.family.heads import build_head
 
 
 def build_family(cache: Path, *, seed: int = 0, force: bool = False, progress: bool = True) -> dict:
     """Build (or reuse) the family in ``cache`` plus its SpecDec++ heads; returns the manifest."""
     manifest = build_zoo(cache, seed=seed, force=force, progress=progress)
+    ensure_chat_template(cache)                 # also into a family cached before it had a template
     t0 = time.perf_counter()
     if build_head(cache, seed=seed, force=force, progress=progress) and progress:
         print(f"SpecDec++ acceptance heads trained in {time.perf_counter() - t0:.0f} s")

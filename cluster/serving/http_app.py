@@ -6,13 +6,16 @@ late-bound form of ``serve.ingress``), so the routes close over the replica's co
 * ``GET /health``: 200 ``{"ready": true}`` once the unit is warm and its target answers, else 503 with
   ``Retry-After``; exempt from the API key (probes, load balancers).
 * ``GET /v1/models``: the served model id (``cluster.app_name``).
-* ``POST /v1/completions``: :class:`cluster.serving.http_api.CompletionRequest`; ``"stream": true`` answers
+* ``POST /v1/completions``: :class:`cluster.serving.completions.CompletionRequest`; ``"stream": true`` answers
   with server-sent events (one ``data:`` completion chunk per engine step, then ``data: [DONE]``).
+* ``POST /v1/chat/completions``: :class:`cluster.serving.chat.ChatRequest`, rendered with the model's chat
+  template; streamed as ``chat.completion.chunk`` events.
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 names the parameter, the
 allowed range and the value; 401 without a valid key; 404 for an unknown ``model`` or route; 429 (queue
 full) and 503 (a model down, not warm) with ``Retry-After: 1``; 504 past the request deadline; a 500 carries
-no internals (the traceback stays in the server log).  Every refusal is counted in
+no internals (the traceback stays in the server log); 500 and 504 carry ``x-should-retry: false``.  Statuses,
+types and outcomes come from the one table, :mod:`cluster.serving.error_table`.  Every refusal is counted in
 ``specserve_requests{outcome}``.
 """
 # no ``from __future__ import annotations``: FastAPI reads the routes' annotations (Request) at run time
@@ -25,14 +28,9 @@ import time
 from cluster.errors import shown
 from cluster.serving.auth import Unauthenticated, bearer_token
 from cluster.serving.error_table import classify, message, param_of, refusal_outcome
-from cluster.serving.http_api import (
-    completion,
-    fields_from_openai,
-    model_list,
-    oai_error,
-    parse_body,
-    read_body,
-)
+from cluster.serving.chat import ChatFormat, fields_from_chat
+from cluster.serving.completions import CompletionFormat, fields_from_openai
+from cluster.serving.http_api import model_list, oai_error, parse_body, read_body
 from cluster.serving.metrics import strategy_label
 from cluster.serving.requests import admit
 
@@ -66,22 +64,31 @@ def build_http_app(dep):
     async def models():
         return json_response(model_list(dep.cfg.cluster.app_name, created))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def answer(request: Request, parse, response_format):
+        """One OpenAI request: typed by ``parse``, admitted through the one request path, answered whole or
+        as server-sent events with ``response_format``'s objects; any error through the one error table."""
         strategy = None
         try:
             body = parse_body(await read_body(request))         # size and nesting checked before parsing
             strategy = body.get("strategy") if isinstance(body, dict) else None
-            fields, m = fields_from_openai(body)
+            fields, m = parse(body)
             req = await admit(dep.coord, dep.cfg, fields)          # fixes request id and seed for every chunk
+            fmt = response_format(dep.cfg.cluster.app_name, req, dep.coord.engine.tokenizer, m)
             if m.stream:
-                return await _sse(dep, req)
-            r = await dep.coord.generate(req)
-            return json_response(completion(dep.cfg.cluster.app_name, r, r.text, r.finish_reason, usage=True))
+                return await _sse(dep, req, fmt)
+            return json_response(fmt.whole(await dep.coord.generate(req)))
         except asyncio.CancelledError:
             raise
         except Exception as e:                                     # noqa: BLE001 - mapped to a status
             return refused(dep, e, strategy)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, fields_from_openai, CompletionFormat)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, fields_from_chat, ChatFormat)
 
     @app.exception_handler(HTTPException)                         # no such route (404), wrong method (405)
     async def http_error(request: Request, exc: HTTPException):
@@ -113,29 +120,31 @@ def refused(dep, exc: BaseException, strategy) -> object:
                          kind.http_status, kind.headers)
 
 
-async def _sse(dep, req):
-    """Server-sent events of ``req``'s chunks.  The first chunk is awaited before the response starts, so
-    a refusal at admission still gets its status code; a later failure ends the stream with an error event.
-    A client that disconnects cancels the generator, which stops the request and frees its state."""
+async def _sse(dep, req, fmt):
+    """Server-sent events of ``req``'s chunks as ``fmt``'s objects, then ``data: [DONE]``.  The first chunk
+    is awaited before the response starts, so a refusal at admission still gets its status code; a later
+    failure ends the stream with an error event.  A client that disconnects cancels the generator, which
+    stops the request and frees its state."""
     from starlette.responses import StreamingResponse
     gen = dep.coord.stream(req)
     try:
         first = await gen.__anext__()
     except StopAsyncIteration:
         raise RuntimeError(f"request {req.rid} ended before its first chunk") from None
-    model = dep.cfg.cluster.app_name
 
     async def events():
         try:
+            for payload in fmt.opening():
+                yield f"data: {json.dumps(payload)}\n\n"
             chunk = first
             while True:
-                if chunk.text or chunk.finish_reason:
-                    payload = completion(model, chunk.result, chunk.text, chunk.finish_reason,
-                                         usage=chunk.result is not None, rid=req.rid)
+                for payload in fmt.step(chunk):
                     yield f"data: {json.dumps(payload)}\n\n"
                 if chunk.finish_reason is not None:
                     break
                 chunk = await gen.__anext__()
+            for payload in fmt.closing():
+                yield f"data: {json.dumps(payload)}\n\n"
         except Exception as e:                                     # noqa: BLE001 - the status was sent already
             err = refused(dep, e, req.strategy_name)
             yield f"data: {err.body.decode()}\n\n"

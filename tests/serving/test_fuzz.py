@@ -547,7 +547,7 @@ def test_specdec_head_chosen_by_drafter_name(tiny_engine, head_models):
 @pytest.mark.parametrize("head", ["/etc/passwd", "../configs/tiny.yaml", "target", "mag", "drafter-large/.."])
 def test_servers_refuse_a_head_that_is_not_a_served_drafter(head):
     from cluster.serving.grpc_api import fields_from_proto
-    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.completions import fields_from_openai
     from cluster.serving.requests import build_request
     cfg = load_config("configs/tiny.yaml")
     for fields in (lambda: fields_from_proto(pb.GenerateRequest(prompt="x", strategy="specdec_pp",

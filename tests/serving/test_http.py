@@ -5,60 +5,16 @@ test_metrics_export.py) drive the same app through Ray Serve's HTTP proxy."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 import pytest
 
-from cluster.config.schema import load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError
-from cluster.serving.auth import Keys
-from cluster.serving.http_app import build_http_app
 from cluster.serving.error_table import COUNTED, refusal_outcome
 from tests.support.asgi import call
+from tests.support.fake_coordinator import CFG
 
-CFG = load_config("configs/tiny.yaml")
 MODEL = CFG.cluster.app_name
-
-
-class Recorder:
-    def __init__(self):
-        self.records = []
-
-    def record(self, strategy, outcome, *a, **kw):
-        self.records.append((strategy, outcome))
-
-
-class EngineCoordinator:
-    """The coordinator's surface the HTTP app uses, over the in-process engine."""
-
-    def __init__(self, engine):
-        self.engine, self.ready, self.metrics = engine, True, Recorder()
-        self.fail_with = None           # raised at admission
-        self.fail_after_first = None    # raised after the first chunk
-
-    def validate(self, req):
-        return self.engine.prepare(req)
-
-    async def stream(self, req):
-        if self.fail_with is not None:
-            raise self.fail_with
-        for i, chunk in enumerate(self.engine.stream(req)):
-            if i == 1 and self.fail_after_first is not None:
-                raise self.fail_after_first
-            yield chunk
-
-    async def generate(self, req):
-        async for chunk in self.stream(req):
-            if chunk.result is not None:
-                return chunk.result
-
-
-@pytest.fixture
-def app(tiny_engine):
-    dep = SimpleNamespace(cfg=CFG, keys=Keys(), coord=EngineCoordinator(tiny_engine))
-    return build_http_app(dep), dep
 
 
 def _post(app, body, path="/v1/completions", raw: bytes | None = None, headers=None):
@@ -97,15 +53,17 @@ def test_unknown_model_is_404_as_vllm(app):
 
 
 @pytest.mark.parametrize("extra,name,words", [
-    ({"n": 2}, "n", ["1 (one completion per request)", "2"]),
+    ({"n": 2}, "n", ["not supported", "1", "2"]),
     ({"best_of": 3}, "best_of", ["not supported", "3"]),
-    ({"echo": True}, "echo", ["not supported", "True"]),
-    ({"logprobs": 2}, "logprobs", ["not supported"]),
+    ({"logprobs": 21}, "logprobs", ["20", "21"]),
     ({"suffix": "x"}, "suffix", ["not supported", "'x'"]),
     ({"presence_penalty": 0.5}, "presence_penalty", ["not supported", "0.5"]),
     ({"frequency_penalty": -1}, "frequency_penalty", ["not supported"]),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", ["not supported", "1.2"]),
+    ({"min_tokens": 3}, "min_tokens", ["not supported", "3"]),
     ({"logit_bias": {"5": 100}}, "logit_bias", ["not supported", "'5'"]),
-    ({"stream_options": {"include_usage": True}}, "stream_options", ["not supported"]),
+    ({"stream_options": {"include_usage": True}}, "stream_options", ["stream: true"]),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options", ["include_usage"]),
     ({"frobnicate": 1}, "frobnicate", ["not a parameter of /v1/completions", "max_tokens"]),
     ({"max_tokens": "3"}, "max_tokens", ["integer", "'3'"]),
     ({"max_tokens": 2.0}, "max_tokens", ["integer", "2.0"]),
@@ -167,15 +125,20 @@ def test_status_codes_retry_after_and_counting(app):
 def test_streaming_server_sent_events(app):
     a, dep = app
     whole = _post(a, BASE).json()
-    r = _post(a, {**BASE, "stream": True})
-    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = r.events()
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = _post(a, {**BASE, "stream": True}).sse_chunks()
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert chunks[-1]["usage"] == whole["usage"] and all("usage" not in c for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks)                              # none without include_usage
+    assert chunks[-1]["specserve"]["token_ids"] == whole["specserve"]["token_ids"]
     assert len({c["id"] for c in chunks}) == 1
+    events = _post(a, {**BASE, "stream": True, "stream_options": {"include_usage": True}}).events()
+    last = json.loads(events[-2])                                             # one usage chunk, no choices
+    assert events[-1] == "[DONE]" and last["choices"] == [] and last["usage"] == whole["usage"]
+    assert all("usage" not in json.loads(e) for e in events[:-2])
+    events = _post(a, {**BASE, "stream": True, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": True}}).events()
+    counts = [json.loads(e)["usage"]["completion_tokens"] for e in events[:-1]]
+    assert counts == sorted(counts) and counts[-1] == whole["usage"]["completion_tokens"]
     dep.coord.fail_with = OverloadedError("queue full")           # refused at admission: a status, not a stream
     r = _post(a, {**BASE, "stream": True})
     assert r.status == 429 and r.headers["retry-after"] == "1"

@@ -205,12 +205,12 @@ def test_generated_stubs_are_up_to_date(tmp_path):
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ([1, 2], "body"),
 ])
 def test_openai_request_errors_name_the_field(body, name, tiny_engine):
-    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.completions import fields_from_openai
     from cluster.serving.requests import prepare
     cfg = load_config("configs/tiny.yaml")
     coord = SimpleNamespace(engine=tiny_engine, validate=tiny_engine.prepare)
@@ -220,7 +220,7 @@ def test_openai_request_errors_name_the_field(body, name, tiny_engine):
 
 
 def test_openai_request_defaults_from_config():
-    from cluster.serving.http_api import fields_from_openai
+    from cluster.serving.completions import fields_from_openai
     from cluster.serving.requests import build_request
     cfg = load_config("configs/tiny.yaml")
     fields, m = fields_from_openai({"prompt": ["hi"], "stop": "\n", "top_k": 5,

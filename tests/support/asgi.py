@@ -19,6 +19,13 @@ class Reply:
         """The ``data:`` payloads of a server-sent-event stream."""
         return [line[len("data: "):] for line in self.body.decode().split("\n") if line.startswith("data: ")]
 
+    def sse_chunks(self) -> list[dict]:
+        """The JSON chunks of a successful server-sent-event stream (checked: 200, event-stream, ``[DONE]`` last)."""
+        assert self.status == 200 and self.headers["content-type"].startswith("text/event-stream"), self.status
+        events = self.events()
+        assert events[-1] == "[DONE]", events[-1:]
+        return [json.loads(e) for e in events[:-1]]
+
 
 async def acall(app, method: str, path: str, *, body: bytes = b"", headers: dict | None = None) -> Reply:
     hdrs = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]

@@ -1,0 +1,74 @@
+"""``POST /v1/chat/completions`` (OpenAI's chat completions, as vLLM serves them): the request model, its
+fields for the one request path and the response objects.
+
+The messages are rendered with the served checkpoint's own chat template (:mod:`cluster.models.chat`;
+a model without one is refused naming ``messages``).  Streaming sends ``chat.completion.chunk`` objects, the
+first delta carrying ``role: assistant``, then ``data: [DONE]``; ``stream_options.include_usage`` adds one
+final chunk with ``choices: []`` and ``usage``.  ``logprobs: true`` with ``top_logprobs: n`` returns the
+target's log-probability of each token and its n most likely alternatives (``logprobs.content``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from cluster.engine.request import MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
+from cluster.errors import ParamError
+from cluster.serving.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, stream_options, typed
+from cluster.serving.oai_format import ResponseFormat, chat_logprobs, openai_finish
+from cluster.serving.requests import Fields
+
+ENDPOINT = "/v1/chat/completions"
+CHAT_NEUTRAL = {**NEUTRAL, **CHAT_ONLY_NEUTRAL}
+
+
+class ChatRequest(OpenAIRequest):
+    """OpenAI's chat parameters (the shared ones in :class:`OpenAIRequest`)."""
+
+    messages: Any = Field(description="a non-empty list of {role, content} objects")
+    max_tokens: int | None = Field(None, description="an integer >= 1 (default: the server's max_new_tokens)")
+    max_completion_tokens: int | None = Field(None, description="an integer >= 1 (wins over max_tokens)")
+    logprobs: bool | None = Field(None, description="true or false")
+    top_logprobs: int | None = Field(None, description=f"null or an integer in [0, {MAX_TOP_LOGPROBS}] "
+                                     "(with logprobs: true)")
+
+
+def fields_from_chat(body: Any) -> tuple[Fields, ChatRequest]:
+    """The request's fields from a chat body, and the typed body (for the response's shape)."""
+    m = typed(ChatRequest, body, ENDPOINT, CHAT_NEUTRAL)
+    stream_options(m.stream_options, m.stream)
+    if not m.logprobs and m.top_logprobs not in (None, 0):
+        raise ParamError("top_logprobs", "null or 0 unless logprobs is true", m.top_logprobs)
+    limit = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
+    return Fields(messages=m.messages, max_new_tokens=getattr(m, limit),
+                  logprobs=(m.top_logprobs or 0) if m.logprobs else None,
+                  names={"max_new_tokens": limit, "logprobs": "top_logprobs"}, **m.common_fields()), m
+
+
+class ChatFormat(ResponseFormat):
+    """``chat.completion`` / ``chat.completion.chunk`` objects."""
+
+    object_whole, object_chunk, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, model: str, req, tokenizer, m: ChatRequest):
+        usage, continuous = stream_options(m.stream_options, m.stream)
+        super().__init__(model, req, tokenizer, include_usage=usage, continuous_usage=continuous)
+
+    def _logprobs(self, entries) -> dict | None:
+        return None if entries is None or self.req.logprobs is None else chat_logprobs(self.tokenizer, entries)
+
+    def whole(self, r: GenerationResult) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": r.text},
+                  "logprobs": self._logprobs(r.logprobs), "finish_reason": openai_finish(r.finish_reason)}
+        out = self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids)))
+        out["specserve"] = self.extension(r)
+        return out
+
+    def opening(self) -> list[dict]:
+        return [self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], chunk=True)]
+
+    def chunk_choice(self, chunk: StreamChunk) -> dict:
+        return {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": self._logprobs(chunk.logprobs), "finish_reason": openai_finish(chunk.finish_reason)}
