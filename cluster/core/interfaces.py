@@ -48,6 +48,17 @@ class ModelHandle(Protocol):
         """Forget request ``rid`` (idempotent)."""
 
 
+class TextStream(Protocol):
+    """Incremental detokenisation of one sequence: each token is decoded once, and text comes out only
+    once it can no longer change (never half a character)."""
+
+    def step(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is still incomplete)."""
+
+    def flush(self) -> str:
+        """The text still held back at the end (an incomplete character decodes as U+FFFD, as ``decode`` does)."""
+
+
 class Tokenizer(Protocol):
     """What the engine needs of a tokenizer (:mod:`cluster.models.tokenizer` has the backends)."""
 
@@ -57,3 +68,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def stream(self) -> TextStream:
+        """A fresh :class:`TextStream`: its ``step`` texts for ``ids``, then ``flush``, concatenate to
+        ``decode(ids)``."""

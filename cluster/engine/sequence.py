@@ -98,7 +98,7 @@ class Sequence:
         self.generated.extend(new)
         if self.logprobs is not None:     # the same cuts as the ids: EOS, the budget, a stop string
             self.logprobs.extend((self.ctx.step_logprobs or [])[:len(new)])
-        text, stopped = self.decoder.push(self.generated)
+        text, stopped = self.decoder.push(new)
         if stopped is not None:            # keep the ids up to the stop string, even mid-block
             self.generated, finish = self.generated[:max(stopped, streamed)], "stop"
             if self.logprobs is not None:

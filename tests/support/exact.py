@@ -139,6 +139,18 @@ class VocabTokenizer:
     def decode(self, ids):
         return "".join(chr(65 + i) for i in ids)
 
+    def stream(self):
+        """One letter per token, so a token's text never waits for the next (the TextStream protocol)."""
+        return _LetterStream()
+
+
+class _LetterStream:
+    def step(self, token_id):
+        return chr(65 + token_id)
+
+    def flush(self):
+        return ""
+
 
 def target_joint(model: TabularModel, prompt: list[int], n: int, sampling=None) -> dict:
     """Exact distribution of the first ``n`` tokens sampled autoregressively from ``model``."""
