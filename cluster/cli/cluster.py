@@ -38,6 +38,9 @@ def add_cluster_commands(sub) -> None:
     c.add_argument("--address", default="127.0.0.1:9000", help="gRPC host:port (default 127.0.0.1:9000)")
     c.add_argument("--app", default="specserve", help="application name sent as gRPC metadata")
     c.add_argument("--prompt", default="", help="prompt text")
+    c.add_argument("--chat", help="a user message, rendered with the served model's chat template "
+                   "(instead of --prompt)")
+    c.add_argument("--logprobs", help="return the target's logprob of each token and its top N (0..20)")
     c.add_argument("--strategy", help="decoding strategy (default: the server's)")
     c.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="strategy option, e.g. --option k=4 (repeatable)")

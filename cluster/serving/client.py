@@ -5,6 +5,8 @@
         c.wait_ready()
         r = c.generate("def fib(n):", max_new_tokens=32, strategy="speculative", options={"k": 4})
         print(r.text, r.stats.tokens_per_s)
+        chat = c.generate(messages=[{"role": "user", "content": "a fib function"}], logprobs=2)
+        print(chat.text, [(t.token_id, t.logprob) for t in chat.logprobs])
         for chunk in c.stream("import os", max_new_tokens=16):
             print(chunk.text, end="", flush=True)
 """
@@ -44,13 +46,17 @@ class SpecServeClient:
     def request(prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                 seed: int | None = None, stop=(), strategy: str | None = None, options: dict | None = None,
-                ignore_eos: bool = False, request_id: str | None = None) -> pb.GenerateRequest:
-        """A GenerateRequest; ``None`` leaves a field unset (the server's config default)."""
+                ignore_eos: bool = False, request_id: str | None = None, messages=None,
+                logprobs: int | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+        """A GenerateRequest; ``None`` leaves a field unset (the server's config default).  ``messages``: a
+        chat, ``[{"role": ..., "content": ...}]``, rendered with the served model's chat template."""
         m = pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or []), stop=list(stop),
                                strategy=strategy or "", options={k: str(v) for k, v in (options or {}).items()},
-                               ignore_eos=ignore_eos, request_id=request_id or "")
+                               ignore_eos=ignore_eos, request_id=request_id or "",
+                               messages=[pb.ChatMessage(**x) for x in messages or ()])
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
-                            ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+                            ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
+                            ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 setattr(m, name, value)
         return m
@@ -114,18 +120,20 @@ def main_client(args) -> int:
         opts = dict(kv.split("=", 1) for kv in args.option)
         kw = dict(max_new_tokens=_opt(args.max_new_tokens, int), temperature=_opt(args.temperature, float),
                   top_p=_opt(args.top_p, float), top_k=_opt(args.top_k, int), seed=_opt(args.seed, int),
-                  stop=args.stop, strategy=args.strategy, options=opts)
+                  stop=args.stop, strategy=args.strategy, options=opts, logprobs=_opt(args.logprobs, int),
+                  messages=[{"role": "user", "content": args.chat}] if args.chat is not None else None)
+        prompt = None if args.chat is not None else args.prompt
         if args.stream:
             last = None
-            for chunk in c.stream(args.prompt, **kw):
+            for chunk in c.stream(prompt, **kw):
                 print(chunk.text, end="", flush=True)
                 last = chunk
             print()
             r = last.result
         else:
-            r = c.generate(args.prompt, **kw)
+            r = c.generate(prompt, **kw)
             if not args.json:
-                print(args.prompt + r.text)
+                print(r.text if prompt is None else prompt + r.text)
         if args.json:
             print(json.dumps(MessageToDict(r), indent=2))
         else:

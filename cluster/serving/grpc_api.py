@@ -39,6 +39,7 @@ from cluster.engine.request import (
     GenerationResult,
 )
 from cluster.errors import ParamError
+from cluster.models.chat import MAX_MESSAGES
 from cluster.serving.requests import Fields
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
@@ -69,14 +70,18 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
     for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
                                ("prompt", len(m.prompt), MAX_PROMPT_CHARS, "characters"),
                                ("stop", len(m.stop), MAX_STOP_STRINGS, "strings"),
-                               ("options", len(m.options), MAX_OPTIONS, "options")):
+                               ("options", len(m.options), MAX_OPTIONS, "options"),
+                               ("messages", len(m.messages), MAX_MESSAGES, "messages")):
         if n > cap:
             raise ParamError(name, f"at most {cap} {what}", f"{n} {what}")
-    opt = {name: getattr(m, name) if m.HasField(name) else None
-           for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")}
-    return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, stop=tuple(m.stop),
-                  strategy=m.strategy or None, options=dict(m.options), ignore_eos=m.ignore_eos,
-                  request_id=m.request_id or None, **opt)
+    opt = {name: getattr(m, name) if m.HasField(name) else None for name in OPTIONAL}
+    messages = [{"role": x.role, "content": x.content} for x in m.messages] or None
+    return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, messages=messages,
+                  stop=tuple(m.stop), strategy=m.strategy or None, options=dict(m.options),
+                  ignore_eos=m.ignore_eos, request_id=m.request_id or None, **opt)
+
+
+OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -89,14 +94,23 @@ def stats_to_proto(s) -> pb.Stats:
                     acceptance_rate=s.acceptance_rate)
 
 
+def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
+    """Token logprobs as messages (None entries, the first prompt token's, left out)."""
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top]) for lp in entries or () if lp is not None]
+
+
 def result_to_proto(r: GenerationResult) -> pb.GenerateResponse:
     return pb.GenerateResponse(text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
-                               stats=stats_to_proto(r.stats), seed=r.seed, request_id=r.request_id)
+                               stats=stats_to_proto(r.stats), seed=r.seed, request_id=r.request_id,
+                               logprobs=logprobs_to_proto(r.logprobs),
+                               prompt_logprobs=logprobs_to_proto(r.prompt_logprobs))
 
 
 def chunk_to_proto(chunk) -> pb.GenerateChunk:
     return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason or "",
-                            result=result_to_proto(chunk.result) if chunk.result else None)
+                            result=result_to_proto(chunk.result) if chunk.result else None,
+                            logprobs=logprobs_to_proto(chunk.logprobs))
 
 
 def _allowed(opt) -> str:

@@ -1,0 +1,68 @@
+"""The gRPC front's chat messages and logprobs (cluster/serving/app.py, grpc_api.py) without Ray: the
+deployment's Generate / GenerateStream over the in-process tiny engine, as Serve's gRPC proxy calls them."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from cluster.core.sampling import SamplingParams
+from cluster.engine.request import GenerationRequest
+from cluster.models.chat import render_chat
+from cluster.serving import app as app_mod
+from cluster.serving.auth import Keys
+from cluster.serving.client import SpecServeClient
+from tests.support.fake_coordinator import CFG, EngineCoordinator
+
+MESSAGES = [{"role": "user", "content": "def fib(n):"}]
+
+
+class Context:
+    def __init__(self):
+        self.code = self.details = None
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def _deployment(engine):
+    d = object.__new__(app_mod.SpecServeDeployment)
+    d.cfg, d.keys, d.coord = CFG, Keys(), EngineCoordinator(engine)
+    return d
+
+
+def test_grpc_chat_with_logprobs_is_the_engines(tiny_engine):
+    d, ctx = _deployment(tiny_engine), Context()
+    m = SpecServeClient.request(messages=MESSAGES, max_new_tokens=5, temperature=0.0, seed=1, ignore_eos=True,
+                                logprobs=3, prompt_logprobs=1)
+    r = asyncio.run(d.Generate(m, ctx))
+    prompt = render_chat(tiny_engine.tokenizer, MESSAGES)
+    want = tiny_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=5, sampling=SamplingParams(0.0),
+                                                  seed=1, ignore_eos=True, logprobs=3, prompt_logprobs=1))
+    assert ctx.code is None and list(r.token_ids) == want.token_ids and r.text == want.text
+    assert [(x.token_id, x.logprob, list(x.top_ids), list(x.top_logprobs)) for x in r.logprobs] == \
+        [(lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]) for lp in want.logprobs]
+    assert len(r.prompt_logprobs) == len(tiny_engine.tokenizer.encode(prompt)) - 1      # from the second token
+
+    async def stream():
+        return [c async for c in d.GenerateStream(m, ctx)]
+    chunks = asyncio.run(stream())
+    assert [x.logprob for c in chunks for x in c.logprobs] == [x.logprob for x in r.logprobs]
+
+
+def test_grpc_chat_refusals_are_invalid_argument_naming_the_field(tiny_engine):
+    d = _deployment(tiny_engine)
+    for m, name in ((SpecServeClient.request(messages=[{"role": "robot", "content": "x"}]), "messages"),
+                    (SpecServeClient.request(messages=MESSAGES, prompt="also a prompt"), "messages"),
+                    (SpecServeClient.request("x", logprobs=21), "logprobs")):
+        ctx = Context()
+        asyncio.run(d.Generate(m, ctx))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(f"invalid {name}: "), \
+            ctx.details
+    assert [o for _, o in d.coord.metrics.records] == ["invalid"] * 3
