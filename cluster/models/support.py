@@ -35,7 +35,9 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 VERIFIED = {
     "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma-2",
     "gemma3_text": "Gemma-3 (text)", "phi3": "Phi-3", "gpt_neox": "GPT-NeoX", "gpt2": "GPT-2", "olmo2": "OLMo-2",
-    "granite": "Granite", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE",
+    "granite": "Granite", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "gemma": "Gemma", "qwen3_moe": "Qwen3-MoE",
+    "starcoder2": "Starcoder2", "olmo3": "OLMo-3", "ministral": "Ministral", "cohere": "Cohere", "phi": "Phi-2",
+    "smollm3": "SmolLM3", "exaone4": "EXAONE-4", "glm4": "GLM-4",
 }
 
 

@@ -46,6 +46,21 @@ CONFIGS = {
                                        sliding_window=11)),
     "qwen2_moe": (tf.Qwen2MoeConfig, dict(_DECODER, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # beyond the list: more of what users bring
+    "gemma": (tf.GemmaConfig, dict(_DECODER, num_hidden_layers=2, head_dim=16)),
+    "qwen3_moe": (tf.Qwen3MoeConfig, dict(_DECODER, num_hidden_layers=2, head_dim=16, num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32)),
+    "starcoder2": (tf.Starcoder2Config, dict(_DECODER, num_hidden_layers=2, sliding_window=10)),
+    "olmo3": (tf.Olmo3Config, dict(_DECODER, num_hidden_layers=4, sliding_window=9,
+                                   layer_types=[SLIDING, SLIDING, SLIDING, FULL])),
+    "ministral": (tf.MinistralConfig, dict(_DECODER, num_hidden_layers=2, head_dim=16, sliding_window=10,
+                                           layer_types=[SLIDING, SLIDING])),
+    "cohere": (tf.CohereConfig, dict(_DECODER, num_hidden_layers=2)),
+    "phi": (tf.PhiConfig, dict(_DECODER, num_hidden_layers=2, partial_rotary_factor=0.5)),         # Phi-2
+    "smollm3": (tf.SmolLM3Config, dict(_DECODER, num_hidden_layers=4, no_rope_layer_interval=2)),  # NoPE layers
+    "exaone4": (tf.Exaone4Config, dict(_DECODER, num_hidden_layers=4, sliding_window=9,
+                                       layer_types=[SLIDING, SLIDING, SLIDING, FULL])),
+    "glm4": (tf.Glm4Config, dict(_DECODER, num_hidden_layers=2, head_dim=16)),
 }
 
 
