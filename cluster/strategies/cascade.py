@@ -16,7 +16,10 @@ from p at position t+gamma (``bonus=p``, the first version of Narasimhan et al.,
 default: no extra forward pass) or from pi_{t+gamma} = T(q_{t+gamma}, p_{t+gamma}) (``bonus=pi``, the later
 version's Algorithm 4: one more drafter forward for q_{t+gamma}; then every emitted token follows pi).
 
-None of them is lossless (``lossless = False``): each is tested to emit exactly its own pi.
+None of them is lossless (``lossless = False``): each is tested to emit exactly its own pi.  The logprobs
+they report (requests with ``logprobs``) are the target's raw ones at each emitted position, not pi's: the
+distribution a token was drawn from differs from the one reported.  ``token_cascade`` runs the target only
+where it defers, so a run that never deferred costs one more target pass, for those requests only.
 Temperature / top-p follow Narasimhan et al., Faster Cascades (later version), appendix C: rules read the unscaled
 distributions (softmax of the raw logits), the mixture / lossy target uses the scaled ones that are actually
 sampled.
