@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from cluster.core.calls import advance, group_calls, prefill, prefill_scored, run_group
 from cluster.core.draft_side import DraftSide
@@ -21,13 +21,9 @@ from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
+from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
-from cluster.engine.request import (
-    GenerationRequest,
-    GenerationResult,
-    PreparedRequest,
-    StreamChunk,
-)
+from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
 from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, Sequence
 from cluster.engine.stop import StopDecoder
@@ -38,7 +34,7 @@ from cluster.strategies import REGISTRY, StepContext
 log = logging.getLogger("specserve.engine")
 
 
-class Engine:
+class Engine(CallerDriven):
     """Runs any registered strategy, for many requests at once, over a set of model handles.
 
     ``models`` maps names to handles and must contain ``target``; ``defaults`` holds default strategy
@@ -301,38 +297,3 @@ class Engine:
         with self._lock:
             self.scheduler.remove(seq)
         self._ended.append(seq)          # live, and on_end, until the step's flush has released its state
-
-    # -- one request, driven in the caller's thread --------------------------------------------------
-    def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
-        for chunk in self.stream(req):
-            pass
-        return chunk.result
-
-    def stream(self, req: GenerationRequest | PreparedRequest) -> Iterator[StreamChunk]:
-        """Yield one :class:`StreamChunk` per step; the last one carries the :class:`GenerationResult`.
-        Closing the iterator cancels the request and releases its state on every model."""
-        seq = self.add(req)
-        try:
-            while True:
-                if seq.status != FINISHED:
-                    self.step()
-                while seq.chunks:
-                    yield seq.chunks.pop(0)
-                if seq.status == FINISHED:
-                    break
-            if seq.error is not None:
-                raise seq.error
-        finally:
-            if seq.status != FINISHED:
-                self.abort(seq.rid)
-                self.step()
-
-    def generate_many(self, reqs: list[GenerationRequest | PreparedRequest]) -> list[GenerationResult]:
-        """Run ``reqs`` together (continuous batching within this call); results in order."""
-        seqs = [self.add(r) for r in reqs]
-        while any(s.status != FINISHED for s in seqs):
-            self.step()
-        for s in seqs:
-            if s.error is not None:
-                raise s.error
-        return [s.result for s in seqs]
