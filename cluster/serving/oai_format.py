@@ -26,7 +26,8 @@ def token_text(tokenizer, token_id: int) -> str:
 def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], ids, offset: int = 0) -> dict:
     """The completions ``logprobs`` object of tokens ``ids`` (an entry None: the first prompt token, which
     has no log-probability); ``top_logprobs`` maps token text to logprob, the chosen token included (as
-    vLLM does), ``text_offset`` is each token's start in the choice's text from ``offset``."""
+    vLLM does; tokens that decode to the same text, such as partial UTF-8 bytes, share one key: the most
+    likely one's), ``text_offset`` is each token's start in the choice's text from ``offset``."""
     tokens, logprobs, tops, offsets = [], [], [], []
     for tid, lp in zip(ids, entries):
         text = token_text(tokenizer, tid)
@@ -37,8 +38,9 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], ids, offs
         if lp is None:
             tops.append(None)
         else:
-            top = {token_text(tokenizer, t): v for t, v in lp.top}
-            top.setdefault(text, lp.logprob)
+            top: dict[str, float] = {}
+            for t, v in ((*lp.top, (tid, lp.logprob))):   # tokens of the same text: the most likely one's
+                top.setdefault(token_text(tokenizer, t), v)
             tops.append(top)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
