@@ -136,3 +136,15 @@ def test_no_logprobs_unless_asked(engine):
     req.logprobs = None
     chunks = list(engine.stream(req))
     assert all(c.logprobs is None for c in chunks) and chunks[-1].result.logprobs is None
+
+
+def test_token_cascade_runs_without_deferral_are_scored_without_changing_them(engine):
+    """alpha = 1 never defers: each step is a drafter run the target never saw; asking for logprobs adds one
+    target pass per run and leaves the tokens as they were."""
+    opts = dict(drafter="drafter-small", alpha=1.0)
+    res = _run(engine, PROMPTS[0], "token_cascade", opts, temperature=1.0, max_new=40)
+    plain = engine.generate(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=40, sampling=SamplingParams(1.0),
+                                              seed=5, strategy="token_cascade", options=opts, ignore_eos=True))
+    assert res.token_ids == plain.token_ids and plain.stats.target_forwards == 0
+    assert res.stats.target_forwards == 2                   # one pass per run: MAX_RUN = 32 tokens, then 8
+    _close(res.logprobs, _full_forward(engine, PROMPTS[0], res), atol=2e-5)
