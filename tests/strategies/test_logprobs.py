@@ -148,3 +148,29 @@ def test_token_cascade_runs_without_deferral_are_scored_without_changing_them(en
     assert res.token_ids == plain.token_ids and plain.stats.target_forwards == 0
     assert res.stats.target_forwards == 2                   # one pass per run: MAX_RUN = 32 tokens, then 8
     _close(res.logprobs, _full_forward(engine, PROMPTS[0], res), atol=2e-5)
+
+
+def test_eos_cut_mid_block_keeps_logprobs_aligned():
+    """Tabular target (its law known exactly, EOS = token 2): an EOS inside an accepted block ends the
+    request; the logprobs kept are those of the ids kept, each log p_target(token | prefix)."""
+    from cluster.engine.engine import Engine
+    from tests.support.exact import TabularModel, VocabTokenizer
+
+    class EosTokenizer(VocabTokenizer):
+        eos_token_id = 2
+    from cluster.core.sampling import Rng
+    target, drafter = TabularModel("target", 4, seed=1), TabularModel("drafter", 4, seed=2, rng=Rng(0))
+    engine = Engine({"target": target, "drafter": drafter}, EosTokenizer(4))
+    prompt, reasons = [0, 1, 3, 0, 1], []
+    for seed in range(30):
+        res = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=30, seed=seed, logprobs=2,
+                                                prompt_logprobs=1, sampling=SamplingParams(1.0), options={"k": 4}))
+        s = res.stats                  # steps emit accepted + 1 each; beyond the ids kept and the EOS: cut mid-block
+        reasons.append((res.finish_reason, s.accepted_tokens + s.steps > len(res.token_ids) + 1))
+        assert [lp.token_id for lp in res.logprobs] == res.token_ids and 2 not in res.token_ids
+        seq, lps = prompt + res.token_ids, res.prompt_logprobs + res.logprobs      # both aligned with seq
+        assert lps[0] is None and len(lps) == len(seq)
+        for i, lp in enumerate(lps[1:], start=1):
+            want = float(torch.log_softmax(target.logits(seq[:i]), -1)[seq[i]])
+            assert abs(lp.logprob - want) < 1e-6 and len(lp.top) == (1 if i < len(prompt) else 2)
+    assert reasons.count(("eos", True)) >= 5
