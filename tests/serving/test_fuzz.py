@@ -228,7 +228,7 @@ def _http_wide(draw) -> dict:
 @st.composite
 def http_bodies(draw):
     """(path, raw body bytes)."""
-    path = draw(st.sampled_from(["/v1/completions"] * 18 + ["/v1/completion", "/nope"]))
+    path = draw(st.sampled_from(["/v1/completions"] * 14 + ["/v1/chat/completions"] * 4 + ["/v1/completion", "/nope"]))
     kind = draw(st.sampled_from(["object"] * 8 + ["nested", "raw", "scalar"]))
     if kind == "raw":
         return path, draw(st.one_of(st.binary(max_size=64), st.sampled_from(
@@ -243,14 +243,24 @@ def http_bodies(draw):
     body = _http_valid(draw(valid_fields())) if kind == "object" and draw(st.booleans()) else {}
     if body and draw(st.booleans()):
         body["stream"] = draw(st.booleans())
-        return path, json.dumps(body).encode()                 # valid as drawn
+        return path, json.dumps(_as_chat(draw, path, body)).encode()    # valid as drawn
     if body:                                                   # one field from the wide range
         wide = draw(_http_wide())
         key = draw(st.sampled_from(sorted(wide)))
         body[key] = wide[key]
     else:
         body = draw(_http_wide())
-    return path, json.dumps(body).encode()                     # json.dumps escapes lone surrogates as \udXXX
+    return path, json.dumps(_as_chat(draw, path, body)).encode()                     # json.dumps escapes lone surrogates as \udXXX
+
+
+def _as_chat(draw, path: str, body):
+    """For the chat route, mostly: the body's prompt as a message (of a role drawn, an unknown one included)."""
+    if path.endswith("/chat/completions") and isinstance(body, dict) and "prompt" in body and \
+            draw(st.integers(0, 3)) > 0:
+        body["messages"] = [{"role": draw(st.sampled_from(["user", "system", "bot"])), "content": body.pop("prompt")}]
+        if "max_tokens" in body and draw(st.booleans()):
+            body["max_completion_tokens"] = body.pop("max_tokens")
+    return body
 
 
 # -- checks ------------------------------------------------------------------------------------------

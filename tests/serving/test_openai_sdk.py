@@ -1,0 +1,53 @@
+"""The official ``openai`` SDK against the served cluster (the session's ``served`` fixture: Ray Serve's HTTP
+proxy on configs/tiny.yaml): chat plain and streamed with usage, completions, and one gRPC chat call with
+logprobs through the same cluster."""
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "user", "content": "def fib(n):"}]
+GREEDY = dict(temperature=0, seed=5, extra_body={"ignore_eos": True})     # the tiny model is random
+
+
+@pytest.fixture(scope="module")
+def sdk(served):
+    cfg, _ = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.cluster.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    yield cfg, client
+    client.close()
+
+
+def test_sdk_chat_plain_and_streamed(sdk):
+    cfg, client = sdk
+    r = client.chat.completions.create(model=cfg.cluster.app_name, messages=MESSAGES, max_completion_tokens=6,
+                                       **GREEDY)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model=cfg.cluster.app_name, messages=MESSAGES, max_completion_tokens=6,
+                                            stream=True, stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sdk_completions_and_errors(sdk):
+    cfg, client = sdk
+    r = client.completions.create(model=cfg.cluster.app_name, prompt="import os", max_tokens=4, logprobs=1, **GREEDY)
+    assert r.usage.completion_tokens == 4 and len(r.choices[0].logprobs.token_logprobs) == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=cfg.cluster.app_name, prompt="x", max_tokens=2, presence_penalty=1.5)
+    assert "presence_penalty" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+
+
+def test_grpc_chat_with_logprobs(served):
+    _, client = served
+    r = client.generate(messages=MESSAGES, max_new_tokens=4, temperature=0.0, seed=5, ignore_eos=True, logprobs=2)
+    assert len(r.token_ids) == 4 and [x.token_id for x in r.logprobs] == list(r.token_ids)
+    assert all(len(x.top_ids) == 2 and x.top_logprobs[0] >= x.logprob for x in r.logprobs)
