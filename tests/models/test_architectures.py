@@ -2,8 +2,9 @@
 ``path:`` as a user's own would be, serve greedy output identical to transformers' own forward on the full
 sequence without a cache (:func:`tests.support.architectures.oracle_greedy`), for every lossless strategy:
 autoregressive, speculative with token and block verification (a same-architecture drafter and one of another
-architecture), and CS Drafting over both drafters; alone and batched with requests joining mid-run.  Contexts
-pass every sliding window (windows 8-14; prompts 6-20 tokens plus 32 new ones).
+architecture), and CS Drafting over both drafters; alone and batched with requests joining mid-run; and the
+target log-probabilities reported with each token equal the oracle's to ``LOGPROB_TOL``.  Contexts pass every
+sliding window (windows 8-14; prompts 6-20 tokens plus 32 new ones).
 
 Genuine near-ties are guarded, not hidden by a tolerance: a request is compared up to the first position
 where the oracle's top-2 logit margin is below ``TIE`` (batched and unbatched float arithmetic may
@@ -24,6 +25,7 @@ from tests.support.tp_ranks import free_port, run_tp
 torch.set_num_threads(1)
 NEW = 32
 TIE = 1e-4
+LOGPROB_TOL = 1e-4                                   # float32 cached vs uncached arithmetic
 GREEDY = SamplingParams(0.0)
 ARCHS = list(CONFIGS)
 PROMPT_LENGTHS = (6, 13, 20, 9, 16)
@@ -69,7 +71,8 @@ def run(engine, items, join_after: int | None = None) -> list:
     that many steps of the first (continuous batching: requests join a running batch)."""
     def add(batch):
         return [engine.add(GenerationRequest(prompt_ids=p, max_new_tokens=NEW, sampling=GREEDY, seed=0,
-                                             strategy=VARIANTS[v][0], options=VARIANTS[v][1], ignore_eos=True))
+                                             strategy=VARIANTS[v][0], options=VARIANTS[v][1], ignore_eos=True,
+                                             logprobs=0))
                 for p, v in batch]
     half = len(items) // 2 if join_after is not None else len(items)
     seqs, steps = add(items[:half]), 0
@@ -90,14 +93,17 @@ def test_matrix_greedy_equals_transformers(root, name):
     engine = engine_of(root, name)
     ps = prompts()
     oracle = [oracle_greedy(engine.models["target"].model, p, NEW) for p in ps]
-    cuts = [next((i for i, m in enumerate(margins) if m < TIE), NEW) for _, margins in oracle]
+    cuts = [next((i for i, m in enumerate(margins) if m < TIE), NEW) for _, margins, _ in oracle]
     assert sum(c < NEW for c in cuts) <= 1, cuts                     # near-ties are rare
 
     def check(items, seqs):
         for (p, v), s in zip(items, seqs):
-            got, (want, _) = s.chunks[-1].result.token_ids, oracle[ps.index(p)]
-            cut = cuts[ps.index(p)]
+            result, (want, _, want_lp) = s.chunks[-1].result, oracle[ps.index(p)]
+            got, cut = result.token_ids, cuts[ps.index(p)]
             assert len(got) == NEW and got[:cut] == want[:cut], (name, VARIANTS[v], len(p))
+            lp = [e.logprob for e in result.logprobs[:cut]]
+            assert [e.token_id for e in result.logprobs] == got
+            assert max((abs(a - b) for a, b in zip(lp, want_lp)), default=0.0) < LOGPROB_TOL, (name, VARIANTS[v], len(p))
 
     alone = [(ps[v % len(ps)], v) for v in range(len(VARIANTS))]
     for item in alone:                                               # each strategy alone
@@ -129,7 +135,7 @@ def test_tensor_parallel_matrix(root):
         assert got["sharded"] > 0, n                                   # the target really was split
         model = tiny_model(n)
         for i, p in enumerate(ps):
-            want, margins = oracle_greedy(model, p, new)
+            want, margins, _ = oracle_greedy(model, p, new)
             cut = next((j for j, m in enumerate(margins) if m < TIE), new)
             for v in range(len(variants)):
                 assert got["tokens"][i * len(variants) + v][:cut] == want[:cut], (n, variants[v], len(p))

@@ -97,13 +97,15 @@ def write_drafter(root: Path, name: str) -> Path:
 
 
 @torch.inference_mode()
-def oracle_greedy(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation by repeated full forwards without a cache (transformers builds its own masks);
-    also each step's top-2 logit margin, so a caller can stop comparing at a genuine near-tie."""
-    ids, margins = list(prompt), []
+def oracle_greedy(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy continuation by repeated full forwards without a cache (transformers builds its own masks):
+    the tokens, each step's top-2 logit margin (so a caller can stop comparing at a genuine near-tie) and
+    each chosen token's log-probability (log_softmax of the raw logits)."""
+    ids, margins, logprobs = list(prompt), [], []
     for _ in range(new):
         logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
         top = logits.topk(2)
         margins.append((top.values[0] - top.values[1]).item())
+        logprobs.append(torch.log_softmax(logits, -1)[top.indices[0]].item())
         ids.append(int(top.indices[0]))
-    return ids[len(prompt):], margins
+    return ids[len(prompt):], margins, logprobs
