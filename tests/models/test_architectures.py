@@ -103,7 +103,8 @@ def test_matrix_greedy_equals_transformers(root, name):
             assert len(got) == NEW and got[:cut] == want[:cut], (name, VARIANTS[v], len(p))
             lp = [e.logprob for e in result.logprobs[:cut]]
             assert [e.token_id for e in result.logprobs] == got
-            assert max((abs(a - b) for a, b in zip(lp, want_lp)), default=0.0) < LOGPROB_TOL, (name, VARIANTS[v], len(p))
+            err = max((abs(a - b) for a, b in zip(lp, want_lp)), default=0.0)
+            assert err < LOGPROB_TOL, (name, VARIANTS[v], len(p), err)
 
     alone = [(ps[v % len(ps)], v) for v in range(len(VARIANTS))]
     for item in alone:                                               # each strategy alone
