@@ -250,14 +250,15 @@ def http_bodies(draw):
         body[key] = wide[key]
     else:
         body = draw(_http_wide())
-    return path, json.dumps(_as_chat(draw, path, body)).encode()                     # json.dumps escapes lone surrogates as \udXXX
+    return path, json.dumps(_as_chat(draw, path, body)).encode()     # json.dumps escapes lone surrogates
 
 
 def _as_chat(draw, path: str, body):
     """For the chat route, mostly: the body's prompt as a message (of a role drawn, an unknown one included)."""
     if path.endswith("/chat/completions") and isinstance(body, dict) and "prompt" in body and \
             draw(st.integers(0, 3)) > 0:
-        body["messages"] = [{"role": draw(st.sampled_from(["user", "system", "bot"])), "content": body.pop("prompt")}]
+        role = draw(st.sampled_from(["user", "system", "bot"]))
+        body["messages"] = [{"role": role, "content": body.pop("prompt")}]
         if "max_tokens" in body and draw(st.booleans()):
             body["max_completion_tokens"] = body.pop("max_tokens")
     return body
