@@ -1,16 +1,17 @@
-"""The Ray Serve application: gRPC ``specserve.v1.SpecServe`` + OpenAI-compatible ``/v1/completions``.
+"""The Ray Serve application: gRPC ``specserve.v1.SpecServe`` + OpenAI-compatible completions and chat.
 
 One deployment replica = one serving unit (coordinator + its drafters + its target group, see
 :mod:`cluster.serving.coordinator`), so ``cluster.replicas`` scales whole units.  gRPC goes through Serve's
 gRPC proxy (methods ``Generate``, ``GenerateStream``, ``ServerInfo`` and the standard
 ``grpc.health.v1.Health/Check``, SERVING only after warm-up); HTTP through Serve's HTTP proxy
-(``POST /v1/completions`` incl. ``"stream": true`` as server-sent events, ``GET /v1/models``,
-``GET /health``).
+(``POST /v1/completions`` and ``/v1/chat/completions`` incl. ``"stream": true`` as server-sent events,
+``GET /v1/models``, ``GET /health``).
 
-Errors: a :class:`cluster.errors.ParamError` becomes ``INVALID_ARGUMENT`` / HTTP 400 naming field,
-allowed range and value (truncated, see :func:`cluster.errors.shown`); :class:`cluster.errors.OverloadedError`
-becomes ``RESOURCE_EXHAUSTED`` / HTTP 429; anything else ``INTERNAL`` / 500 with a sanitized message (the
-traceback stays in the server log).  A refused request is answered without raising through Ray Serve (which
+Errors go through the one table of :mod:`cluster.serving.error_table`: a :class:`cluster.errors.ParamError`
+becomes ``INVALID_ARGUMENT`` / HTTP 400 naming field, allowed range and value (truncated, see
+:func:`cluster.errors.shown`); :class:`cluster.errors.OverloadedError` becomes ``RESOURCE_EXHAUSTED`` / HTTP
+429; anything else ``INTERNAL`` / 500 with a sanitized message (the traceback stays in the server log).
+Both fronts build requests through the one request path, :func:`cluster.serving.requests.admit`.  A refused request is answered without raising through Ray Serve (which
 would log a traceback per request); a refused stream carries one empty chunk before its status, because
 Serve forwards a status set by a streaming handler only with a message.  A client that cancels or
 disconnects stops its generation (see the coordinator); Serve's proxy alone would lose a cancel that arrives
