@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from cluster.core.draft_stop import DraftStop
 from cluster.core.sampling import (
@@ -37,7 +37,7 @@ from cluster.core.sampling import (
 )
 from cluster.models.head import resolve_head
 from cluster.models.slot_cache import SlotCache
-from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit
+from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit, read_config
 
 
 @dataclass
@@ -73,7 +73,7 @@ class BatchedHFWorker:
                         device: str = "cpu", **kwargs) -> "BatchedHFWorker":
         """Load a local HF checkpoint directory (safetensors + config); never reaches a hub.  Refused with a
         :class:`ConfigError` before any weight is read when the worker cannot serve it exactly."""
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = read_config(path)
         attention_layout(config)
         if kwargs.get("distributed_config") is not None:
             check_tensor_parallel(config, kwargs["distributed_config"].tp_size)

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -57,6 +58,17 @@ class AttentionLayout:
 def _refuse(config, why: str) -> ConfigError:
     arch = ", ".join(getattr(config, "architectures", None) or []) or config.__class__.__name__
     return ConfigError(f"model architecture {arch} (model_type {config.model_type!r}) cannot be served exactly: {why}")
+
+
+def read_config(path) -> PretrainedConfig:
+    """A checkpoint directory's config through transformers (local files only; no remote code is run), or a
+    :class:`ConfigError` naming the directory when transformers does not know its architecture."""
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (KeyError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model directory {path}: transformers cannot read its config.json ({first}); "
+                          "architectures that need trust_remote_code are not served") from None
 
 
 def attention_layout(config, model_cls: type | None = None) -> AttentionLayout:

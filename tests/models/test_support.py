@@ -139,3 +139,11 @@ def test_attention_implementation():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ConfigError, match="attn_implementation 'flex_attention'"):
         BatchedHFWorker(model, "flex")
+
+
+def test_unknown_architecture_refused(tmp_path):
+    """A config.json transformers does not know (custom code) is a ConfigError naming the directory."""
+    (tmp_path / "config.json").write_text('{"model_type": "foo_custom", "architectures": ["FooForCausalLM"]}')
+    cfg = config_from_dict({"models": {"target": {"path": str(tmp_path)}}})
+    with pytest.raises(ConfigError, match=f"{tmp_path}.*foo_custom.*trust_remote_code"):
+        build_handle(cfg, "target")
