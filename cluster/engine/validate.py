@@ -64,7 +64,7 @@ def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: T
         raise ParamError("prompt", "text that encodes to at least one token", req.prompt)
     opts = resolve_options(name, req.options, defaults)
     strategy = REGISTRY[name](opts, models, target)
-    max_len = min(models[r].max_length for r in strategy.roles())
+    max_len = strategy.max_length()
     if len(ids) + max_new > max_len:
         raise _too_long(len(ids), max_len, max_new)
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED

@@ -125,6 +125,16 @@ class Strategy:
         """Yield model calls, receive their results, return the emitted tokens (at least one)."""
         raise NotImplementedError
 
+    def draft_members(self) -> tuple[str, ...]:
+        """The drafters this strategy asks the draft side (role DRAFTS) for; strategies that draft say which."""
+        return self.spec.drafters
+
+    def max_length(self) -> int:
+        """The longest sequence a request may reach: the shortest limit of the models it uses (on the draft
+        side only the drafters it names, not every drafter the draft side hosts)."""
+        names = [n for role in self.roles() for n in (self.draft_members() if role == DRAFTS else (role,))]
+        return min(self.models[n].max_length for n in names)
+
     # helpers shared by strategies
     def drafter_names(self) -> list[str]:
         return [n for n in self.models if n not in (self.target_name, DRAFTS)]

@@ -67,6 +67,9 @@ class SpecDecPP(Strategy):
     def roles(self) -> list[str]:
         return [self.target_name, DRAFTS]
 
+    def draft_members(self) -> tuple[str, ...]:
+        return (self.drafter,)
+
     def step(self, ctx: StepContext):
         spec = DraftSpec("adaptive", (self.drafter,), head=self.head, threshold=self.threshold, eos=ctx.eos)
         return speculative_step(ctx, spec, min(self.k_max, ctx.budget - 1), self.verify)

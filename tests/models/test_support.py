@@ -97,10 +97,11 @@ def test_position_limits_per_architecture():
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    """Target Llama (512 positions) with a GPT-2 drafter of 64 positions."""
+    """Target Llama (512 positions) with a GPT-2 drafter of 64 positions and a Llama drafter of 512."""
     root = tmp_path_factory.mktemp("limits")
     models = {"target": {"path": str(write_checkpoint(root, "llama"))},
-              "short": {"path": str(write_checkpoint(root, "gpt2", n_positions=64))}}
+              "short": {"path": str(write_checkpoint(root, "gpt2", n_positions=64))},
+              "long": {"path": str(write_checkpoint(root / "long", "llama", seed=1))}}
     return build_engine(config_from_dict({"target": "target", "models": models}))
 
 
@@ -126,7 +127,8 @@ def test_too_long_is_a_param_error(limited, n, new, strategy, limit):
 def test_at_the_limit_runs(limited):
     """Exactly at a limit nothing is refused or truncated: the request emits every token asked for."""
     for n, new, strategy, opts in ((500, 12, "autoregressive", {}), (60, 4, "speculative", {"drafter": "short"}),
-                                   (60, 40, "autoregressive", {})):   # a drafter's limit binds only its requests
+                                   (60, 40, "autoregressive", {}),    # a drafter's limit binds only its requests
+                                   (60, 40, "speculative", {"drafter": "long"})):  # ... not another drafter's
         result = limited.generate(_request(n, new, strategy, **opts))
         assert len(result.token_ids) == new, (n, new, strategy)
 
