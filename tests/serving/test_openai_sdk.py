@@ -3,6 +3,8 @@ proxy on configs/tiny.yaml): chat plain and streamed with usage, completions, an
 logprobs through the same cluster."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -51,3 +53,16 @@ def test_grpc_chat_with_logprobs(served):
     r = client.generate(messages=MESSAGES, max_new_tokens=4, temperature=0.0, seed=5, ignore_eos=True, logprobs=2)
     assert len(r.token_ids) == 4 and [x.token_id for x in r.logprobs] == list(r.token_ids)
     assert all(len(x.top_ids) == 2 and x.top_logprobs[0] >= x.logprob for x in r.logprobs)
+
+
+def test_cli_client_chat(served, capsys):
+    from cluster.cli.main import main
+    cfg, _ = served
+    rc = main(["client", "--address", f"127.0.0.1:{cfg.cluster.grpc_port}", "--app", cfg.cluster.app_name,
+               "--chat", "def fib(n):", "--max-new-tokens", "3", "--temperature", "0", "--logprobs", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    tokens = out.get("tokenIds", [])                  # MessageToDict leaves out an empty list
+    assert rc == 0 and len(tokens) <= 3 and len(out.get("logprobs", [])) == len(tokens) and out["finishReason"]
+    rc = main(["client", "--address", f"127.0.0.1:{cfg.cluster.grpc_port}", "--app", cfg.cluster.app_name,
+               "--chat", "x", "--logprobs", "99"])
+    assert rc == 2 and "invalid logprobs" in capsys.readouterr().err
