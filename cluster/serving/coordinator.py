@@ -29,7 +29,8 @@ from cluster.engine.request import (
     PreparedRequest,
     StreamChunk,
 )
-from cluster.engine.sequence import Sequence
+from cluster.engine.sequence import WAITING, Sequence
+from cluster.serving.metrics import Timeline
 from cluster.serving.unit import build_unit
 from cluster.strategies import REGISTRY
 
@@ -55,6 +56,7 @@ class Coordinator:
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics
+        self._timelines: dict[Sequence, Timeline] = {}     # live streamed requests not yet in the batch
         self.warm = False
         self._wake = threading.Condition()
         self._stop = threading.Event()
@@ -96,12 +98,18 @@ class Coordinator:
                     self._wake.wait()
                 if self._stopped:
                     return
+            started = time.perf_counter()
             try:
                 self.engine.step()
             except Exception:                    # noqa: BLE001 - the loop must survive; requests failed inside
                 log.exception("engine step failed")
-            if self.metrics is not None:         # the running / waiting gauges (never raises)
-                self.metrics.set_load(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+            for seq, timeline in list(self._timelines.items()):    # joined the batch in this step
+                if seq.status != WAITING:
+                    timeline.scheduled = max(timeline.queued, started)
+                    self._timelines.pop(seq, None)
+            if self.metrics is not None:         # the running / waiting / KV gauges (never raises)
+                sched = self.engine.scheduler
+                self.metrics.set_load(len(sched.running), len(sched.waiting), sched.kv_reserved / self._kv_capacity())
 
     def _notify(self) -> None:
         with self._wake:
@@ -119,15 +127,23 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         admitted = time.perf_counter()
+        timeline = Timeline(admitted)
 
         def sink(chunk: StreamChunk) -> None:
+            if chunk.token_ids:
+                timeline.tokens()
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
         def on_end(seq: Sequence) -> None:
-            self._record(seq, admitted)
+            self._timelines.pop(seq, None)
+            self._record(seq, admitted, timeline)
             loop.call_soon_threadsafe(queue.put_nowait, seq)
 
-        self.engine.add(req, sink, on_end)          # ParamError / OverloadedError: refused at once
+        seq = self.engine.add(req, sink, on_end)    # ParamError / OverloadedError: refused at once
+        if seq.status == WAITING:                   # the step loop stamps when it joins the batch
+            self._timelines[seq] = timeline
+        else:                                       # joined in a step that began meanwhile
+            timeline.scheduled = time.perf_counter()
         self._notify()
         done = False
         try:
@@ -167,13 +183,20 @@ class Coordinator:
             raise seq.error
         return seq.result
 
-    def _record(self, seq: Sequence, admitted: float) -> None:
+    def _kv_capacity(self) -> int:
+        """KV positions the unit's running requests may reserve: ``engine.kv_budget_tokens``, else
+        ``max_batch`` rows of the target's full length."""
+        budget = self.cfg.engine.kv_budget_tokens
+        return budget or self.max_batch * max(1, int(getattr(self.engine.models[self.cfg.target], "max_length", 0)
+                                                     or 1))
+
+    def _record(self, seq: Sequence, admitted: float, timeline: Timeline | None = None) -> None:
         outcome = {"error": "error", "cancelled": "cancelled", "deadline": "deadline"}.get(seq.finish, "ok")
         self.recent.append((seq.rid, seq.req.strategy_name, outcome, len(seq.generated)))
         if self.metrics is not None:
             try:
                 self.metrics.record(seq.req.strategy_name, outcome, seq.result, time.perf_counter() - admitted,
-                                    error=seq.error)          # marked: the fronts do not count it again
+                                    error=seq.error, timeline=timeline)   # marked: the fronts do not count it again
             except Exception:                    # metrics never fail a request
                 log.exception("metrics")
 

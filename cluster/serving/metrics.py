@@ -1,7 +1,15 @@
 """Serving metrics through Ray Serve's metrics API, exported by Ray's Prometheus endpoint on every node.
 
-Names are vLLM's with ``vllm:`` written ``vllm_`` -- the names vLLM's own Ray metric wrappers register, so
-that Ray exports exactly the series Ray Serve LLM's Grafana dashboard queries.  Ray prefixes every name with
+Names are vLLM's with ``vllm:`` written ``vllm_`` -- the names vLLM's own Ray metric wrappers register
+(``vllm/v1/metrics/ray_wrappers.py``), so that Ray exports exactly the series Ray Serve LLM's Grafana dashboard
+queries.  The set follows vLLM 0.33.0's ``vllm/v1/metrics/loggers.py`` (tests/serving/test_metrics_names.py
+holds it there): ``time_per_output_token_seconds``, deprecated in vLLM 0.11 and removed after 0.12, is dropped
+for ``inter_token_latency_seconds`` (one observation per engine step that produced tokens, as vLLM's
+per-iteration ITL) and ``request_time_per_output_token_seconds`` (per request); the request phases
+(queue, prefill, decode, inference) are timed as vLLM's ``RequestStateStats`` (``vllm/v1/metrics/stats.py``):
+queued at admission, scheduled when the request joins the running batch, first and last token when the
+engine emits them.  ``kv_cache_usage_perc`` is the fraction of the unit's KV positions the running requests
+reserve (``engine.kv_budget_tokens``, else ``max_batch`` x the target's length), what admission is decided on.  Ray prefixes every name with
 ``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
 ``ray_vllm_spec_decode_num_drafts_total``.  (A ``:`` in a Ray metric name is deprecated and the series is
 dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name.
@@ -20,12 +28,18 @@ already counted).
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 from cluster.errors import shown
 from cluster.serving.error_table import COUNTED
 from cluster.strategies import REGISTRY
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+# vLLM's request-latency buckets (vllm/v1/metrics/buckets.py) for the phase histograms; ours below 0.3 s
+# too, since a tiny model's phases take milliseconds
+PHASE_BOUNDS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 TOKEN_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 OUTCOMES = ("ok", "cancelled", "invalid", "not_found", "overloaded", "unauthenticated", "unavailable",
@@ -40,8 +54,11 @@ EXPORTED = {
     "ray_vllm_prompt_tokens_total": "counter", "ray_vllm_generation_tokens_total": "counter",
     "ray_vllm_request_success_total": "counter",
     "ray_vllm_num_requests_running": "gauge", "ray_vllm_num_requests_waiting": "gauge",
-    "ray_vllm_time_to_first_token_seconds": "histogram", "ray_vllm_time_per_output_token_seconds": "histogram",
+    "ray_vllm_kv_cache_usage_perc": "gauge",
+    "ray_vllm_time_to_first_token_seconds": "histogram", "ray_vllm_inter_token_latency_seconds": "histogram",
     "ray_vllm_request_time_per_output_token_seconds": "histogram",
+    "ray_vllm_request_queue_time_seconds": "histogram", "ray_vllm_request_prefill_time_seconds": "histogram",
+    "ray_vllm_request_decode_time_seconds": "histogram", "ray_vllm_request_inference_time_seconds": "histogram",
     "ray_vllm_e2e_request_latency_seconds": "histogram", "ray_vllm_request_prompt_tokens": "histogram",
     "ray_vllm_request_generation_tokens": "histogram",
     "ray_specserve_requests_total": "counter", "ray_specserve_cascade_deferrals_total": "counter",
@@ -49,6 +66,39 @@ EXPORTED = {
 }
 
 log = logging.getLogger("specserve.metrics")
+
+
+@dataclass
+class Timeline:
+    """One request's timestamps (``time.perf_counter`` seconds), kept as vLLM's ``RequestStateStats``: queued
+    at admission, scheduled when it joined the running batch, first / last token when a chunk carrying
+    tokens was emitted; ``itl``: the gap before each later chunk (one per engine step that produced tokens)."""
+    queued: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    def tokens(self, now: float | None = None) -> None:
+        """A chunk with tokens was emitted at ``now``."""
+        now = time.perf_counter() if now is None else now
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.itl.append(now - self.last_token)
+        self.last_token = now
+
+    def phases(self) -> dict[str, float]:
+        """vLLM's queue / prefill / decode / inference times (vllm/v1/metrics/stats.py); only the phases
+        this request reached."""
+        if self.scheduled is None:
+            return {}
+        out = {"queue": max(0.0, self.scheduled - self.queued)}
+        if self.first_token is not None:
+            out["prefill"] = max(0.0, self.first_token - self.scheduled)
+            out["decode"] = self.last_token - self.first_token
+            out["inference"] = max(0.0, self.last_token - self.scheduled)
+        return out
 
 
 def strategy_label(strategy) -> str:
@@ -88,40 +138,49 @@ class Metrics:
         self.running = Gauge("vllm_num_requests_running", "requests in the running batch", tag_keys=("model_name",))
         self.waiting = Gauge("vllm_num_requests_waiting", "requests waiting for the batch", tag_keys=("model_name",))
         self.ttft = histogram("vllm_time_to_first_token_seconds", "time to first token", LATENCY_BOUNDS)
-        self.tpot = histogram("vllm_time_per_output_token_seconds", "time per output token after the first "
-                              "(vLLM's dashboard name)", TPOT_BOUNDS)
+        self.kv_usage = Gauge("vllm_kv_cache_usage_perc", "KV positions the running requests reserve, of the "
+                              "unit's budget; 1 means 100 percent", tag_keys=("model_name",))
+        self.itl = histogram("vllm_inter_token_latency_seconds", "time between engine steps that emitted tokens "
+                             "of a request", TPOT_BOUNDS)
         self.req_tpot = histogram("vllm_request_time_per_output_token_seconds", "time per output token after "
-                                  "the first (Ray Serve LLM's dashboard name)", TPOT_BOUNDS)
+                                  "the first, per request", TPOT_BOUNDS)
+        self.phase = {name: histogram(f"vllm_request_{name}_time_seconds", doc, PHASE_BOUNDS) for name, doc in (
+            ("queue", "time waiting for the running batch"), ("prefill", "time from joining the batch to the "
+             "first token"), ("decode", "time from the first token to the last"),
+            ("inference", "time from joining the batch to the last token"))}
         self.e2e = histogram("vllm_e2e_request_latency_seconds", "end-to-end request latency", LATENCY_BOUNDS)
         self.req_prompt = histogram("vllm_request_prompt_tokens", "prompt tokens per request", TOKEN_BOUNDS)
         self.req_generated = histogram("vllm_request_generation_tokens", "generated tokens per request",
                                        TOKEN_BOUNDS)
-        self._load: tuple[int, int] | None = None
+        self._load: tuple[int, int, float] | None = None
 
     def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None,
-               error: BaseException | None = None) -> None:
+               error: BaseException | None = None, timeline: Timeline | None = None) -> None:
         """Count one request; ``result`` (a GenerationResult) for completed ones; ``error``: the error an
-        admitted request ended with, marked as counted for the fronts.  Never raises."""
+        admitted request ended with, marked as counted for the fronts; ``timeline``: its phases and
+        inter-token gaps.  Never raises."""
         try:
             if error is not None:
                 setattr(error, COUNTED, True)
-            self._record(strategy_label(strategy), outcome if outcome in OUTCOMES else "error", result, e2e_s)
+            self._record(strategy_label(strategy), outcome if outcome in OUTCOMES else "error", result, e2e_s,
+                         timeline)
         except Exception as e:             # noqa: BLE001 - metrics never fail a request
             log.warning("metrics not recorded: %s", shown(e, 200))
 
-    def set_load(self, running: int, waiting: int) -> None:
-        """The unit's running and waiting request counts (after each engine step).  Never raises."""
-        if self._load == (running, waiting):
+    def set_load(self, running: int, waiting: int, kv_usage: float = 0.0) -> None:
+        """The unit's running and waiting request counts and KV usage (after each engine step).  Never raises."""
+        if self._load == (running, waiting, kv_usage):
             return
         try:
             tags = {"model_name": self.model_name}
             self.running.set(running, tags)
             self.waiting.set(waiting, tags)
-            self._load = (running, waiting)
+            self.kv_usage.set(kv_usage, tags)
+            self._load = (running, waiting, kv_usage)
         except Exception as e:             # noqa: BLE001
             log.warning("load not recorded: %s", shown(e, 200))
 
-    def _record(self, strategy: str, outcome: str, result, e2e_s: float | None) -> None:
+    def _record(self, strategy: str, outcome: str, result, e2e_s: float | None, timeline: Timeline | None) -> None:
         tags = {"model_name": self.model_name, "strategy": strategy}
         self.requests.inc(1, {**tags, "outcome": outcome})
         if outcome == "cancelled":
@@ -144,9 +203,12 @@ class Metrics:
         if st.ttft_s:
             self.ttft.observe(st.ttft_s, tags)
         if st.generated_tokens > 1:
-            tpot = max(0.0, st.wall_s - st.ttft_s) / (st.generated_tokens - 1)
-            self.tpot.observe(tpot, tags)
-            self.req_tpot.observe(tpot, tags)
+            self.req_tpot.observe(max(0.0, st.wall_s - st.ttft_s) / (st.generated_tokens - 1), tags)
+        if timeline is not None:
+            for gap in timeline.itl:
+                self.itl.observe(gap, tags)
+            for name, seconds in timeline.phases().items():
+                self.phase[name].observe(seconds, tags)
         if e2e_s is not None:
             self.e2e.observe(e2e_s, tags)
 
