@@ -25,7 +25,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=8388608 \
     SPECSERVE_CACHE=/home/ray/.cache/specserve
 
-# /app belongs to `ray`: setuptools writes its egg-info there and protos.build the generated modules.
+# /app belongs to `ray`: setuptools writes its build files there.
 USER 0
 RUN mkdir -p /app && chown 1000:100 /app
 USER 1000
@@ -42,13 +42,13 @@ COPY --chown=1000:100 actors ./actors
 COPY --chown=1000:100 cluster ./cluster
 COPY --chown=1000:100 configs ./configs
 
-# Install the project with its pinned dependencies, regenerate the gRPC modules with the grpcio-tools
-# it pinned, and reinstall the project with them (non-editable: Ray workers import cluster, actors and
-# protos from site-packages whatever their working directory). Last, check from site-packages (-P: not
-# from /app) that what Serve imports (serveConfigV2's import_path, grpc_servicer_functions) imports.
+# Install the project with the serving set of pinned dependencies only (pyproject.toml's `dependencies`: no
+# extras, so no locust, matplotlib, sacrebleu or grpcio-tools), non-editable: Ray workers import cluster,
+# actors and protos from site-packages whatever their working directory. The gRPC modules are the committed
+# ones (generated with the pinned grpcio-tools; a test checks they are current). Last, check from
+# site-packages (-P: not from /app) that what Serve imports (serveConfigV2's import_path,
+# grpc_servicer_functions) imports.
 RUN pip install --no-cache-dir . \
-    && python -m protos.build \
-    && pip install --no-cache-dir --no-deps --force-reinstall . \
     && python -P -c "import cluster.serving.app, protos.guard, protos.specserve_pb2_grpc"
 
 # Optional: train the embedded model family (seeded: every pod of this image gets the same models) and

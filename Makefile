@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,loadtest,bench,proto]'    # the serving set + every extra (pyproject.toml)
 	touch $(STAMP)
 
 setup: $(STAMP)

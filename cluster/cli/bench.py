@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 from cluster.bench import SUITES
-from cluster.cli.common import load_built_config
+from cluster.cli.common import load_built_config, require_extra
 from cluster.errors import ParamError, check_float, check_int
 
 
 def cmd_bench(args) -> int:
+    require_extra("bench", "sacrebleu", "matplotlib")
     cfg = load_built_config(args.config)
     check_int("prompts", args.prompts, 1, 256)
     check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)

@@ -1,12 +1,13 @@
 """What every ``specserve`` verb shares: loading a config with what it needs built, and the thread policy."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
 from cluster.config.schema import load_config
-from cluster.errors import check_int
+from cluster.errors import ConfigError, check_int
 from cluster.family import ensure_built
 
 EXIT_USAGE = 2
@@ -31,3 +32,12 @@ def configure_threads() -> int:
     n = check_int("SPECSERVE_THREADS", os.environ.get("SPECSERVE_THREADS", "1"), 1, 256)
     torch.set_num_threads(n)
     return n
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Refuse a command whose optional dependencies (pyproject.toml's ``[extra]``) are not installed: the
+    serving image installs the serving set only."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"this command needs {', '.join(missing)}: pip install 'specserve[{extra}]' "
+                          f"(make setup installs every extra)")

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from cluster.cli.common import require_extra
 from cluster.config.schema import load_config
 from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.loadtest import (
@@ -100,6 +101,7 @@ def build_spec(args) -> LoadSpec:
 
 
 def cmd_loadtest(args) -> int:
+    require_extra("loadtest", "locust", "matplotlib")
     spec = build_spec(args)
     cfg = load_config(args.config)
     cl = cfg.cluster

@@ -106,3 +106,25 @@ def test_dockerignore_keeps_what_the_build_copies():
         assert not _ignored(src, patterns), f"{src} is copied but .dockerignore excludes it"
     for heavy in (".venv", ".git", "bench_out", "tests", "cluster/__pycache__"):
         assert _ignored(heavy, patterns), heavy
+
+
+EXTRAS_ONLY = {"locust": "locust", "matplotlib": "matplotlib", "sacrebleu": "sacrebleu", "grpc_tools": "grpcio-tools"}
+
+
+def _runtime_dependencies() -> set[str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S).group(1)
+    return {re.split(r"[\[=<>~ ]", d)[0].lower() for d in re.findall(r'"([^"]+)"', block)}
+
+
+def test_the_image_installs_the_serving_set_only():
+    """Issue 23: load testing, plots, BLEU and proto generation are extras; the image installs no extra, and
+    the serving application and the CLI import with those packages made unimportable."""
+    assert not _runtime_dependencies() & set(EXTRAS_ONLY.values()), _runtime_dependencies()
+    installs = re.findall(r"pip install [^\n]*", DOCKERFILE.read_text())
+    assert any(re.search(r"pip install --no-cache-dir \.(\s|$)", i) for i in installs), installs
+    assert not any(".[" in i or "grpcio-tools" in i or "protos.build" in i for i in installs), installs
+    block = "; ".join(f"sys.modules[{m!r}] = None" for m in EXTRAS_ONLY)
+    code = f"import sys; {block}; import cluster.serving.app, cluster.cli.main, actors.model_actor"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
