@@ -315,12 +315,14 @@ def _segment(xs: list[int], x: float) -> tuple[int, int, float]:
 
 
 def step_seconds(k: int, drafter_cost: ForwardCost | None, target_cost: ForwardCost, rows: int,
-                 target_rows: int | None = None) -> float:
+                 target_rows: int | None = None, call_cost: ForwardCost | None = None) -> float:
     """Modelled seconds of one speculative step over ``rows`` rows: k sequential drafter forwards of one
-    token (none for a deterministic drafter: ``drafter_cost=None``) and one target forward of k + 1 tokens
-    per row over ``target_rows`` (default ``rows``).  Shared by the load-aware planner and ``specserve tune``."""
+    token (none for a deterministic drafter: ``drafter_cost=None``), one target forward of k + 1 tokens
+    per row over ``target_rows`` (default ``rows``), and, when k > 0, one draft-side call ``call_cost(rows, 1)``
+    (its round trip; None: drafting in-process).  Shared by the load-aware planner and ``specserve tune``."""
     per_draft = 0.0 if drafter_cost is None else drafter_cost(rows, 1)
-    return k * per_draft + target_cost(rows if target_rows is None else target_rows, k + 1)
+    per_call = 0.0 if call_cost is None or k == 0 else call_cost(rows, 1)
+    return per_call + k * per_draft + target_cost(rows if target_rows is None else target_rows, k + 1)
 
 
 def plan_draft_length(alphas: Sequence[float], drafter_cost: ForwardCost | None, target_cost: ForwardCost,

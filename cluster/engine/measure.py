@@ -15,8 +15,9 @@ import time
 from functools import partial
 from typing import Mapping
 
-from cluster.core.calls import Score, prefill, run_group
+from cluster.core.calls import Draft, Score, prefill, run_group
 from cluster.core.cost_model import ForwardCost
+from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.sampling import SamplingParams
 from cluster.engine.planner import Planner
 
@@ -53,6 +54,41 @@ def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context
     return result
 
 
+def draft_cost_grids(side, drafter: str, rows=(1, 4, 8, 16, 32), lengths=(1, 3), context: int = 64,
+                     iters: int = 10) -> tuple[dict, dict]:
+    """What a step's drafting costs through the draft side ``side`` (one call per step, however many tokens):
+    per row count r, the median wall seconds D(r, k) of one ``Draft`` call of k tokens from ``drafter`` for r
+    requests, at the two ``lengths`` k1 < k2, split into a per-token part f(r) = (D(r, k2) - D(r, k1)) /
+    (k2 - k1) (one drafter forward) and a per-call part D(r, k1) - k1 f(r) (the round trip, packing, the
+    program), both >= 0.  Returns ``({(r, 1): f(r)}, {(r, 1): call(r)})``; request ids ``__draft<i>``."""
+    gen = random.Random(1)
+    spec, (k1, k2) = DraftSpec("propose", (drafter,)), lengths
+    per_token, per_call = {}, {}
+    for r in rows:
+        rids = [f"__draft{i}" for i in range(r)]
+        prefill(side, [(rid, [gen.randrange(side.vocab_size) for _ in range(context)], SamplingParams(), i)
+                       for i, rid in enumerate(rids)])
+        try:
+            median = {}
+            for k in (k1, k2):
+                calls = [(rid, Draft(DRAFTS, spec, k, k + 1)) for rid in rids]
+                times = []
+                for it in range(iters + 1):                  # one warm-up
+                    t0 = time.perf_counter()
+                    run_group(side, Draft, calls)
+                    if it:
+                        times.append(time.perf_counter() - t0)
+                    for rid in rids:
+                        side.rollback(rid, context)
+                median[k] = statistics.median(times)
+            f = max(0.0, (median[k2] - median[k1]) / (k2 - k1))
+            per_token[(r, 1)], per_call[(r, 1)] = f, max(0.0, median[k1] - k1 * f)
+        finally:
+            for rid in rids:
+                side.release(rid)
+    return per_token, per_call
+
+
 def planner_rows(max_batch: int, rows=ROWS) -> tuple[int, ...]:
     """The measured batch sizes: ``rows`` up to ``min(max_batch, 32)``, which is always included."""
     cap = max(1, min(int(max_batch), 32))
@@ -63,11 +99,24 @@ def measure_costs(handles: Mapping[str, object], target: str, drafters, *, rows=
                   context: int = 64, iters: int = 2) -> dict[str, ForwardCost]:
     """:class:`ForwardCost` tables measured now: the target over ``rows`` x ``new_tokens``, each neural drafter
     over ``rows`` x one token (the planner prices k drafter forwards of one token).  Deterministic drafters
-    (the Max-Gram drafter, ``handle.deterministic``) get no table: they draft for free."""
+    (the Max-Gram drafter, ``handle.deterministic``) get no table: they draft for free.
+
+    Where the engine drafts through a draft side in another process (``handles[DRAFTS]``, the separated
+    topology), a step pays ONE call for all its drafting, so the drafters' tables come from that call
+    (:func:`draft_cost_grids`: per token) and ``costs[DRAFTS]`` holds the per-call part (the round trip),
+    which the planner charges once per speculating step -- not once per drafted token, which priced k = 4
+    at five round trips and made the prior start at k = 0."""
     costs = {}
+    side = handles.get(DRAFTS)
     for name in dict.fromkeys([target, *drafters]):
         handle = handles.get(name)
         if handle is None or getattr(handle, "deterministic", False):
+            continue
+        if side is not None and name != target:
+            per_token, per_call = draft_cost_grids(side, name, rows=rows, iters=iters,
+                                                   context=max(1, min(context, side.max_length - 8)))
+            costs[name] = ForwardCost(per_token).monotone()
+            costs.setdefault(DRAFTS, ForwardCost(per_call).monotone())
             continue
         feeds = new_tokens if name == target else (1,)
         grid = forward_cost_grid(handle, rows=rows, new_tokens=feeds,

@@ -19,7 +19,8 @@ learn independently: what pays at one row says nothing about 32 rows.
 
 **Prior.**  For the group's B_g rows with acceptance estimates alpha_i the cost model gives, per k, the
 expected tokens per row and step ``E_k = mean_i (1 - alpha_i^(k+1)) / (1 - alpha_i)`` and the step seconds
-``S_k = k * drafter(B_g, 1) + target(B, k + 1)`` (:func:`cluster.core.cost_model.step_seconds`; forward
+``S_k = [k > 0] call(B_g) + k * drafter(B_g, 1) + target(B, k + 1)`` (call: one draft-side round trip, measured
+where the draft side is another process; :func:`cluster.core.cost_model.step_seconds`; forward
 costs from :class:`ForwardCost` tables measured through the engine's own handles, :mod:`cluster.engine.measure`;
 a drafter without a table -- the deterministic Max-Gram drafter -- drafts for free), so the prior goodput
 is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
@@ -63,6 +64,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cluster.core.cost_model import ForwardCost, expected_tokens, step_seconds
+from cluster.core.drafting import DRAFTS
 
 log = logging.getLogger("specserve.planner")
 
@@ -325,7 +327,8 @@ class Planner:
             band = self._bands[key] = _Band(interval=self.probe_every, next_probe=self.probe_every)
         alphas = [min(1.0, max(0.0, a)) for a in alphas]
         p = _Pending(key, 0, 0, [sum(expected_tokens(a, k) for a in alphas) / len(alphas) for k in range(k_max + 1)],
-                     [step_seconds(k, drafter_cost, target_cost, len(seqs), batch) for k in range(k_max + 1)],
+                     [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
+                      for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])
         best = self._choose(band, p)
         if best != band.best:                            # a new best: look around it soon, upward first

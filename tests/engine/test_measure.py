@@ -3,6 +3,8 @@ handle protocol (batched or single-request forms), measured now or on first use,
 from types import SimpleNamespace
 
 from cluster.config.schema import load_config
+from cluster.core.cost_model import ForwardCost, step_seconds
+from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import build_planner, forward_cost_grid, measure_costs, planner_rows
 from cluster.engine.request import GenerationRequest
@@ -81,3 +83,22 @@ def test_every_engine_has_the_planner_and_a_per_request_load_aware_plan_runs_on_
     assert out.token_ids == ref
     assert {"target", "drafter-large", "drafter-small"} <= set(engine.planner.costs)
     assert len(engine.planner.history) > 0 and engine.planner.costs["target"].rows == [1, 2, 4]   # max_batch 4
+
+
+def test_through_a_draft_side_the_round_trip_is_charged_once_per_step():
+    """With a draft side among the handles (the separated topology) a drafter's table is its per-token cost
+    through that side and ``costs[DRAFTS]`` the per-call part; the step model charges that part once when
+    k > 0 (never at k = 0), instead of a whole call per drafted token.  The measuring requests are released."""
+    cfg = load_config("configs/tiny.yaml")
+    ensure_built(cfg, progress=False)
+    engine = build_engine(cfg)
+    side = engine.models[DRAFTS]
+    handles = {n: engine.models[n] for n in ("target", "drafter-large", DRAFTS)}
+    costs = measure_costs(handles, "target", ["drafter-large"], rows=(1, 2), new_tokens=(1, 3), iters=1)
+    assert set(costs) == {"target", "drafter-large", DRAFTS}
+    assert costs[DRAFTS].rows == [1, 2] and costs["drafter-large"].tokens == [1]
+    assert side.active_requests() == [] and engine.models["drafter-large"].active_requests() == []
+    flat = ForwardCost({(1, 1): 0.004, (1, 5): 0.004})
+    draft, call = ForwardCost({(1, 1): 0.001}), ForwardCost({(1, 1): 0.002})
+    assert step_seconds(0, draft, flat, 1, call_cost=call) == 0.004                    # plain: no call
+    assert abs(step_seconds(4, draft, flat, 1, call_cost=call) - (0.002 + 4 * 0.001 + 0.004)) < 1e-12

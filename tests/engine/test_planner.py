@@ -271,6 +271,7 @@ def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):
         engine.planner = measured
     assert [r.token_ids for r in out] == ref
     # first plans: k = each group's cap; later ones follow the measured acceptance (near 0 for these random
-    # models) and the observed step times, but never exceed a group's cap
-    assert history[:2] == [(3, 2), (3, 3)] and max(k for _, k in history) <= 3
+    # models) and the observed step times, but never exceed a group's cap while all three run (batch 3: caps
+    # 2 and 3; once the k = 2 request ends first, which depends on timing, drafter-large's cap is 5)
+    assert history[:2] == [(3, 2), (3, 3)] and max(k for b, k in history if b == 3) <= 3
     assert all(r.stats.drafted_tokens > 0 for r in out)
