@@ -15,6 +15,7 @@ from cluster.cli.common import EXIT_USAGE, configure_threads, load_built_config
 from cluster.cli.cs import add_cs_commands, run_cs_command
 from cluster.cli.demo import add_demo_command, cmd_demo
 from cluster.cli.loadtest import add_loadtest_command, cmd_loadtest
+from cluster.cli.serve_config import add_serve_config_options, cmd_serve_config
 from cluster.config.paths import default_cache_dir
 from cluster.errors import ConfigError, ParamError, check_int
 from cluster.family import build_family
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_command(sub, _add_config)
     add_cluster_commands(sub)                    # up, down, client
+    add_serve_config_options(sub.choices["serve-config"])
     add_cs_commands(sub)                         # train-head, tune, mag build-bigram
     add_loadtest_command(sub)                    # loadtest
     return parser
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "zoo":
             return cmd_zoo(args)
-        if args.command in ("up", "down", "client", "serve-config"):
+        if args.command == "serve-config":
+            return cmd_serve_config(args)
+        if args.command in ("up", "down", "client"):
             return run_cluster_command(args)
         if args.command == "bench":
             if args.cluster:

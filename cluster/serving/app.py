@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from cluster.config.schema import Config, load_config
-from cluster.errors import shown
+from cluster.config.schema import Config, config_from_dict, load_config
+from cluster.errors import ConfigError, shown
 from cluster.serving.auth import (
     OPERATOR,
     Unauthenticated,
@@ -183,6 +183,14 @@ def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = Fal
 
 
 def app_builder(args: dict):
-    """Serve application builder (``import_path: cluster.serving.app:app_builder``, ``args: {config: PATH}``):
-    what ``specserve serve-config`` and a KubeRay RayService's ``serveConfigV2`` deploy (see k8s/)."""
-    return build_app(load_config(args.get("config", "configs/local.yaml")))
+    """Serve application builder (``import_path: cluster.serving.app:app_builder``): what ``specserve
+    serve-config`` and a KubeRay RayService's ``serveConfigV2`` deploy (see k8s/).  ``args.config`` is a config
+    file's path where Serve runs, or the config itself inline (a mapping; ``args.source`` names the file it was
+    written from): an edit of serveConfigV2 then redeploys the new config without a new image."""
+    config = args.get("config", "configs/local.yaml")
+    if isinstance(config, dict):
+        return build_app(config_from_dict(config, source=f"serveConfigV2 ({args.get('source', 'inline')})"))
+    if not isinstance(config, str):
+        raise ConfigError(f"serveConfigV2 args.config: a config file path or a config mapping, got "
+                          f"{type(config).__name__}")
+    return build_app(load_config(config))

@@ -5,7 +5,8 @@ of a specserve config file: proxies, ports, the guarded gRPC servicer functions 
 ``cluster.serving.app:app_builder`` from that file.  :func:`deployment_options` are the deployment's options
 (units as replicas, fixed or autoscaled, drain time, resources), which the application builder applies from
 the same file, so nothing about a unit is written twice.  ``specserve up`` starts Serve from
-:func:`serve_config` too; ``specserve serve-config`` prints it for a manifest (tests hold k8s/ equal to it).
+:func:`serve_config` too; ``specserve serve-config --inline`` prints it with the config inline and
+``--rayservice`` writes that into a RayService manifest (tests hold k8s/ equal to it).
 """
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def deployment_options(cfg: Config) -> dict:
     return opts
 
 
-def serve_config(cfg: Config, config_path: str, *, proxy_location: str = "EveryNode") -> dict:
-    """The Serve config deploying ``cfg`` (read from ``config_path`` where Serve runs)."""
+def serve_config(cfg: Config, config_path: str, *, proxy_location: str = "EveryNode",
+                 inline: dict | None = None) -> dict:
+    """The Serve config deploying ``cfg``: read from ``config_path`` where Serve runs, or, with ``inline`` (the
+    config file's mapping), carried in the application's args (``source``: ``config_path``), as k8s/ does."""
     cl = cfg.cluster
+    args = {"config": config_path} if inline is None else {"source": config_path, "config": inline}
     return {"proxy_location": proxy_location,
             "http_options": {"host": cl.http_host, "port": cl.http_port},
             "grpc_options": {"port": cl.grpc_port, "grpc_servicer_functions": list(GUARDED_SERVICER_FUNCTIONS)},
             "applications": [{"name": cl.app_name, "route_prefix": "/", "import_path": APP_BUILDER,
-                              "args": {"config": config_path}}]}
+                              "args": args}]}

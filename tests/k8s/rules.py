@@ -35,10 +35,24 @@ def serve_config(doc: dict) -> dict:
 
 
 def repo_config_path(serve_cfg: dict) -> Path:
-    """The repo file behind the application's ``args.config`` (an image path under /app/configs/)."""
-    path = serve_cfg["applications"][0]["args"]["config"]
+    """The repo file behind the application's args: ``source`` when the config is inline (what
+    ``specserve serve-config --rayservice`` writes), else ``config``, an image path under /app/configs/."""
+    args = serve_cfg["applications"][0]["args"]
+    if isinstance(args.get("config"), dict):
+        assert args.get("source", "").startswith("configs/"), f"args.source {args.get('source')!r}"
+        return ROOT / args["source"]
+    path = args["config"]
     assert path.startswith(IMAGE_CONFIG_DIR), f"args.config {path!r} is not under {IMAGE_CONFIG_DIR}"
     return ROOT / "configs" / path[len(IMAGE_CONFIG_DIR):]
+
+
+def deployed_config(doc: dict):
+    """The specserve Config a RayService deploys: its inline ``args.config`` (else the file it names)."""
+    from cluster.config.schema import config_from_dict, load_config
+    args = serve_config(doc)["applications"][0]["args"]
+    if isinstance(args.get("config"), dict):
+        return config_from_dict(args["config"], source=args.get("source", "inline"))
+    return load_config(repo_config_path(serve_config(doc)))
 
 
 def ray_container(template: dict) -> dict:

@@ -38,7 +38,7 @@ EXPECT = {
 
 
 def _cfg(doc):
-    return load_config(rules.repo_config_path(rules.serve_config(doc)))
+    return rules.deployed_config(doc)
 
 
 def _worker(doc, i=0):
@@ -162,8 +162,7 @@ def test_serve_app_builds_and_serve_applies_the_deployment_options(name):
     doc = RAYSERVICES[name]
     app_schema = ServeDeploySchema.model_validate(rules.serve_config(doc)).applications[0]
     builder = import_attr(app_schema.import_path)
-    built = build_app(builder({"config": str(rules.repo_config_path(rules.serve_config(doc)))}),
-                      name=app_schema.name, default_runtime_env={})
+    built = build_app(builder(app_schema.args), name=app_schema.name, default_runtime_env={})
     infos = {d.name: DeploymentInfo(deployment_config=d._deployment_config, replica_config=d._replica_config,
                                     start_time_ms=0, deployer_job_id="") for d in built.deployments}
     auto = _cfg(doc).cluster.autoscaling                     # the code's options, from the config file
@@ -189,11 +188,30 @@ def test_serve_app_builds_and_serve_applies_the_deployment_options(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
 def test_serve_config_is_what_specserve_generates(name):
-    """serveConfigV2 is exactly `specserve serve-config --config configs/X --path /app/configs/X`: one deploy
-    description; units, autoscaling and drain time come from the config file (no `deployments` override)."""
+    """serveConfigV2 is exactly `specserve serve-config --config configs/X --inline`: one deploy description,
+    the config file inline (the manifest and configs/ in step); units, autoscaling and drain time come from the
+    config (no `deployments` override)."""
     doc = RAYSERVICES[name]
     sc = rules.serve_config(doc)
-    assert sc == serve_config(_cfg(doc), sc["applications"][0]["args"]["config"])
+    path = rules.repo_config_path(sc)
+    file_data = yaml.safe_load(path.read_text())
+    assert sc["applications"][0]["args"]["config"] == file_data, f"{name}: inline config differs from {path}"
+    assert sc == serve_config(load_config(path), f"configs/{path.name}", inline=file_data)
+
+
+def test_an_edit_of_the_inline_config_changes_what_serve_deploys():
+    """No image involved: the application builder reads the config from serveConfigV2's args."""
+    from ray.serve._private.build_app import build_app
+    from ray.serve._private.utils import import_attr
+    args = rules.serve_config(RAYSERVICES["rayservice-cpu.yaml"])["applications"][0]["args"]
+    builder = import_attr("cluster.serving.app:app_builder")
+    limits = []
+    for max_batch in (16, 3):
+        edited = copy.deepcopy(args)
+        edited["config"]["engine"]["max_batch"] = max_batch
+        (dep,) = build_app(builder(edited), name="specserve", default_runtime_env={}).deployments
+        limits.append(dep._deployment_config.max_ongoing_requests)
+    assert limits[0] - limits[1] == 16 - 3
 
 
 # -- what the manifests must get right beyond the schemas ----------------------------------------------------
