@@ -87,8 +87,10 @@ class DraftHost:
 
 
 def start_draft_actor(cfg, names: list[str], vocab_size: int, *, num_cpus: float, num_gpus: float = 0.0,
-                      threads: int = 1, overlap: bool = True):
-    """Create the unit's draft-group actor; returns the handle (not yet waited on)."""
+                      threads: int = 1, overlap: bool = True, **options):
+    """Create the unit's draft-group actor; returns the handle (not yet waited on).  ``options``: more Ray actor
+    options (placement: ``resources``, ``label_selector``)."""
     import ray
     return ray.remote(DraftHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2,
-                                         max_restarts=MAX_RESTARTS).remote(cfg, names, vocab_size, threads, overlap)
+                                         max_restarts=MAX_RESTARTS, **options).remote(cfg, names, vocab_size,
+                                                                                      threads, overlap)

@@ -56,17 +56,21 @@ class TPRank(ModelHost):
 
 def start_tp_group(cfg, name: str, *, tp_size: int, num_cpus: float, num_gpus: float, threads: int = 1,
                    backend: str = "gloo", device: str = "cpu", timeout_s: float = 600.0,
-                   collective_timeout_s: float = 600.0):
-    """Create the placement group and the rank actors, initialise and load them; returns
-    ``(actors ordered by rank, placement group, info of rank 0)``."""
+                   collective_timeout_s: float = 600.0, strategy: str | None = None,
+                   resources: dict | None = None, label_selector: dict | None = None):
+    """Create the placement group (``strategy``; default STRICT_PACK with GPUs, else PACK; each bundle also
+    asks for ``resources`` on nodes matching ``label_selector``) and the rank actors, initialise and load them;
+    returns ``(actors ordered by rank, placement group, info of rank 0)``."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    bundle = {"CPU": num_cpus} if not num_gpus else {"CPU": num_cpus, "GPU": num_gpus}
-    pg = placement_group([bundle] * tp_size, strategy="STRICT_PACK" if num_gpus else "PACK")
+    extra = dict(resources or {})
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **extra}
+    pg = placement_group([bundle] * tp_size, strategy=strategy or ("STRICT_PACK" if num_gpus else "PACK"),
+                         bundle_label_selector=[dict(label_selector)] * tp_size if label_selector else None)
     ray.get(pg.ready(), timeout=timeout_s)
     cls = ray.remote(TPRank)
-    actors = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1,
+    actors = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=extra, max_concurrency=1,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               placement_group=pg, placement_group_bundle_index=r))
               .remote(cfg, name, r, tp_size, threads) for r in range(tp_size)]

@@ -10,6 +10,8 @@ Topologies:
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 
 from cluster.errors import ConfigError
@@ -22,15 +24,35 @@ TARGET_PLACEMENTS = ("coordinator", "actor")
 
 
 BACKENDS = ("auto", "gloo", "nccl")
+# Ray placement-group strategies for the TP ranks; auto = STRICT_PACK (one node) with GPUs, PACK on CPU
+TP_STRATEGIES = ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,252}")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9_.\-/]{0,63}")
+
+
+def check_host(path: str, host: str) -> str:
+    """An IP address to listen on (IPv4 or IPv6 literal), else a ConfigError naming ``path``."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"{path}: an IP address of this machine (e.g. 127.0.0.1, 0.0.0.0), got {host!r}") from None
+    return host
 
 
 @dataclass(frozen=True)
 class ActorResources:
-    """Ray resources of one actor (for a TP target: of each rank); ``threads`` = torch threads."""
+    """Ray resources of one actor (for a TP target: of each rank); ``threads`` = torch threads.
+
+    Placement (docs/cluster.md, "Many nodes"): ``resources`` asks for custom Ray resources (a node started
+    with ``ray start --resources '{"node_drafters": 1}'`` offers them), ``labels`` for node labels (``ray start
+    --labels accel=h100``; Ray's ``label_selector``).  Either pins the role to the nodes that have them."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     threads: int = 1
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
         if self.num_cpus < 0:
@@ -39,9 +61,27 @@ class ActorResources:
             raise ConfigError(f"{path}.num_gpus: must be >= 0, got {self.num_gpus}")
         if self.threads < 1:
             raise ConfigError(f"{path}.threads: must be >= 1, got {self.threads}")
+        for name, amount in self.resources.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ConfigError(f"{path}.resources.{name}: a custom resource name (set {name} with num_cpus / "
+                                  f"num_gpus / Ray's own options), got {name!r}")
+            if not _NAME.fullmatch(name):
+                raise ConfigError(f"{path}.resources: names of letters, digits, _ - . /, got {name!r}")
+            if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not 0 < amount <= 1e6:
+                raise ConfigError(f"{path}.resources.{name}: a number in (0, 1e6], got {amount!r}")
+        for key, value in self.labels.items():
+            if not _NAME.fullmatch(key) or not isinstance(value, str) or not _LABEL_VALUE.fullmatch(value):
+                raise ConfigError(f"{path}.labels.{key}: a node label (key and value of letters, digits, "
+                                  f"_ - . /; value up to 63 characters), got {value!r}")
 
     def ray_options(self) -> dict:
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        """Options of ``ray.remote(...).options`` (and Serve's ``ray_actor_options``) for one such actor."""
+        out = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        if self.labels:
+            out["label_selector"] = dict(self.labels)
+        return out
 
 
 @dataclass(frozen=True)
@@ -96,6 +136,7 @@ class ClusterSpec:
     topology: str = "separated"
     target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
     tp_size: int = 1                  # target ranks (one placement group)
+    tp_strategy: str = "auto"         # that group's Ray strategy (TP_STRATEGIES)
     backend: str = "auto"             # torch.distributed backend for TP: auto = nccl on GPU, else gloo
     target: ActorResources = field(default_factory=ActorResources)        # per TP rank
     drafters: ActorResources = field(default_factory=ActorResources)      # per drafter actor (separated)
@@ -105,6 +146,11 @@ class ClusterSpec:
     drain_timeout_s: float = 120.0    # a unit being removed finishes its requests for up to this long
     app_name: str = "specserve"
     grpc_port: int = 9000
+    # where `specserve up`'s gRPC proxy listens (docs/cluster.md, "Security"): loopback unless named; TLS when
+    # both PEM files are set.  KubeRay / `serve deploy` ignore these (Serve binds [::]; TLS at the ingress).
+    grpc_host: str = "127.0.0.1"
+    grpc_tls_cert: str | None = None
+    grpc_tls_key: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     # auth (docs/cluster.md, "Security"): the API key from this file (a mounted secret) if set, else from the
@@ -121,6 +167,8 @@ class ClusterSpec:
                               f"got {self.target_placement!r}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.tp_strategy not in TP_STRATEGIES:
+            raise ConfigError(f"{path}.tp_strategy: one of {', '.join(TP_STRATEGIES)}, got {self.tp_strategy!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name, low, high in (("tp_size", 1, 1024),
@@ -146,6 +194,10 @@ class ClusterSpec:
             v = getattr(self, name)
             if not v or not (v[0].isalpha() or v[0] == "_") or not v.replace("_", "").isalnum() or not v.isascii():
                 raise ConfigError(f"{path}.{name}: an environment variable name, got {v!r}")
+        check_host(f"{path}.grpc_host", self.grpc_host)
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            raise ConfigError(f"{path}.grpc_tls_cert / grpc_tls_key: both PEM files or neither, got cert="
+                              f"{self.grpc_tls_cert!r}, key={self.grpc_tls_key!r}")
         if self.api_key_file is not None and not self.api_key_file:
             raise ConfigError(f"{path}.api_key_file: a path or null, got ''")
         for name in ("target", "drafters", "coordinator"):
@@ -153,6 +205,12 @@ class ClusterSpec:
         if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:
             raise ConfigError(f"{path}.backend: nccl needs target.num_gpus >= 1 per rank, "
                               f"got {self.target.num_gpus}")
+
+    def tp_placement(self) -> str:
+        """The TP group's placement-group strategy: one node (STRICT_PACK) for GPUs unless asked otherwise."""
+        if self.tp_strategy != "auto":
+            return self.tp_strategy
+        return "STRICT_PACK" if self.target.num_gpus else "PACK"
 
     def tp_backend(self) -> str:
         if self.backend != "auto":

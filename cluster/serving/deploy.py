@@ -20,7 +20,7 @@ DEPLOYMENT = "SpecServe"
 def deployment_options(cfg: Config) -> dict:
     """``serve.deployment(...).options(**this)``: one replica = one serving unit."""
     cl = cfg.cluster
-    opts = dict(ray_actor_options={"num_cpus": cl.coordinator.num_cpus, "num_gpus": cl.coordinator.num_gpus},
+    opts = dict(ray_actor_options=cl.coordinator.ray_options(),     # placement: resources, label_selector
                 max_ongoing_requests=cfg.engine.capacity + 32,   # headroom beyond admission for ServerInfo / health
                 health_check_period_s=10, health_check_timeout_s=60,
                 graceful_shutdown_timeout_s=cl.drain_timeout_s,   # a removed unit finishes its requests first

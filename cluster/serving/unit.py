@@ -44,22 +44,20 @@ def build_unit(cfg: Config, topology: str | None = None):
     rebuild = None
     if cl.tp_size > 1:                           # the target: a TP group (loads while it starts) ...
         def rebuild():
-            actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, num_cpus=cl.target.num_cpus,
-                                           num_gpus=cl.target.num_gpus, threads=cl.target.threads,
+            actors, pg, _ = start_tp_group(cfg, cfg.target, tp_size=cl.tp_size, threads=cl.target.threads,
                                            backend=cl.tp_backend(), device=cfg.models[cfg.target].device,
-                                           collective_timeout_s=cl.call_timeout_s)
+                                           collective_timeout_s=cl.call_timeout_s, strategy=cl.tp_placement(),
+                                           **cl.target.ray_options())
             return actors, pg
         started[cfg.target] = (*rebuild(), "tp-group")
     elif cl.target_placement == "actor":        # ... or one actor
-        actor = start_model_actor(cfg, cfg.target, num_cpus=cl.target.num_cpus, num_gpus=cl.target.num_gpus,
-                                  threads=cl.target.threads)
+        actor = start_model_actor(cfg, cfg.target, threads=cl.target.threads, **cl.target.ray_options())
         started[cfg.target] = ([actor], None, "actor")
 
     if separated and (cfg.drafters or cfg.mag is not None):     # every drafter in one draft-group actor
         vocab = model_vocab_size(cfg, cfg.target)     # the Max-Gram table's, from the config alone
-        actor = start_draft_actor(cfg, list(cfg.drafters), vocab, num_cpus=cl.drafters.num_cpus,
-                                  num_gpus=cl.drafters.num_gpus, threads=cl.drafters.threads,
-                                  overlap=cfg.engine.overlap != "off")
+        actor = start_draft_actor(cfg, list(cfg.drafters), vocab, threads=cl.drafters.threads,
+                                  overlap=cfg.engine.overlap != "off", **cl.drafters.ray_options())
         started[DRAFTS] = ([actor], None, "actor")
     elif not separated:
         for name in cfg.drafters:
