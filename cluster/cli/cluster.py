@@ -2,26 +2,37 @@
 docs/cluster.md)."""
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 import time
 
 import yaml
 
 from cluster.cli.common import load_built_config
+from cluster.config.layout import check_host
 from cluster.config.schema import load_config
-from cluster.errors import ParamError, check_float
+from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.app import start_serve
+from cluster.serving.bind_hook import HOOK, hook_env
 from cluster.serving.client import SpecServeClient, main_client
 from cluster.serving.deploy import serve_config
+from cluster.serving.ray_node import load_head, save_head, start_node, token_file, use_token
 
 
 def add_cluster_commands(sub) -> None:
     u = sub.add_parser("up", help="start Ray (or join --address) and serve the config's cluster")
     u.add_argument("--config", default="configs/local.yaml", help="YAML config (default: configs/local.yaml)")
-    u.add_argument("--address", help="join this Ray cluster (e.g. auto, ray://host:10001) instead of starting one")
+    u.add_argument("--address", help="join this Ray cluster (host:port of its GCS) instead of starting one; "
+                   "needs its token (RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
     u.add_argument("--detach", action="store_true",
-                   help="return once serving (starts a Ray head with `ray start --head` unless --address)")
+                   help="return once serving; the Ray head keeps running until `specserve down --stop-ray`")
+    u.add_argument("--ray-port", dest="ray_port", default="6379",
+                   help="GCS port of the Ray head started on 127.0.0.1 (default 6379; not with --address)")
+    u.add_argument("--grpc-host", dest="grpc_host",
+                   help="address the gRPC proxy listens on (default: cluster.grpc_host, 127.0.0.1)")
+    u.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate: serve gRPC over TLS only "
+                   "(default: cluster.grpc_tls_cert)")
+    u.add_argument("--tls-key", dest="tls_key", help="PEM private key for --tls-cert")
     u.add_argument("--timeout", default="900", help="seconds to wait for SERVING (default 900)")
 
     s = sub.add_parser("serve-config", help="print the Ray Serve config that deploys a config (for serve deploy "
@@ -30,9 +41,10 @@ def add_cluster_commands(sub) -> None:
     s.add_argument("--path", help="the config's path where Serve runs (default: --config), e.g. /app/configs/x.yaml")
 
     d = sub.add_parser("down", help="delete the served application (and optionally stop the local Ray)")
-    d.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    d.add_argument("--address", help="Ray cluster address (default: the head `up --detach` started)")
     d.add_argument("--app", default="specserve", help="application name (cluster.app_name)")
-    d.add_argument("--stop-ray", action="store_true", help="also run `ray stop` on this machine")
+    d.add_argument("--stop-ray", action="store_true",
+                   help="also stop the Ray head `specserve up --detach` started (only that one)")
 
     c = sub.add_parser("client", help="send one request to a running cluster over gRPC")
     c.add_argument("--address", default="127.0.0.1:9000", help="gRPC host:port (default 127.0.0.1:9000)")
@@ -72,27 +84,59 @@ def run_cluster_command(args) -> int:
     return main_client(args)
 
 
+def _grpc_listen(args, cl) -> tuple[str, str | None, str | None]:
+    """Where the gRPC proxy listens and its TLS files: flags over the config, checked before Ray starts."""
+    host = cl.grpc_host
+    if args.grpc_host:
+        try:
+            host = check_host("grpc_host", args.grpc_host)
+        except ConfigError:
+            raise ParamError("grpc_host", "an IP address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
+                             args.grpc_host) from None
+    cert, key = args.tls_cert or cl.grpc_tls_cert, args.tls_key or cl.grpc_tls_key
+    if (cert is None) != (key is None):
+        raise ParamError("tls_key" if key is None else "tls_cert", "a PEM file, given with the other", None)
+    for name, path in (("tls_cert", cert), ("tls_key", key)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{name}: no such file {path!r}")
+    return host, cert, key
+
+
 def cmd_up(args) -> int:
     cfg = load_built_config(args.config)
     timeout = check_float("timeout", args.timeout, 1, 86400)
-    address = args.address
-    if args.detach and not address:
-        subprocess.run(["ray", "start", "--head", "--disable-usage-stats", "--include-dashboard=false"],
-                       check=True)
-        address = "auto"
     cl = cfg.cluster
+    host, cert, key = _grpc_listen(args, cl)
+    address, node = args.address, None
+    if not address:
+        node = start_node(port=check_int("ray_port", args.ray_port, 1024, 65535),
+                          log_path=token_file().parent / "specserve-head.log")
+        address = node.address
+        print(f"specserve: Ray head on {address} (loopback only, token auth: {token_file()})", file=sys.stderr)
+    use_token(address)
+    import ray
+    ray.init(address=address, namespace="specserve", include_dashboard=False,
+             runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
     print(f"specserve: deploying {cfg.source} (topology {cl.topology}, tp_size {cl.tp_size}, "
           f"replicas {cl.replicas}) ...", file=sys.stderr)
-    start_serve(cfg, address=address)
-    with SpecServeClient(f"127.0.0.1:{cl.grpc_port}", app=cl.app_name) as c:
-        c.wait_ready(timeout)
-    print(f"specserve: SERVING  gRPC 127.0.0.1:{cl.grpc_port} (specserve.v1.SpecServe)  "
+    try:
+        start_serve(cfg, address=address)
+        with SpecServeClient(f"{_dial(host)}:{cl.grpc_port}", app=cl.app_name, **_tls(cert)) as c:
+            c.wait_ready(timeout)
+    except BaseException:
+        if node is not None:
+            node.stop()
+        raise
+    grpc_mode = "TLS" if cert else "plaintext" + (" (loopback only)" if host == "127.0.0.1" else
+                                                   ": no certificate configured, the bearer key travels in clear")
+    print(f"specserve: SERVING  gRPC {host}:{cl.grpc_port} {grpc_mode} (specserve.v1.SpecServe)  "
           f"HTTP http://{cl.http_host}:{cl.http_port}/v1/completions", file=sys.stderr)
     for url in metrics_urls():
         print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
     if args.detach:
-        print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if not args.address else "`"),
-              file=sys.stderr)
+        if node is not None:
+            save_head(node)
+        print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"), file=sys.stderr)
         return 0
     print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
     from ray import serve
@@ -101,7 +145,21 @@ def cmd_up(args) -> int:
             time.sleep(2)
     except KeyboardInterrupt:
         serve.shutdown()
+    finally:
+        ray.shutdown()
+        if node is not None:
+            node.stop()
     return 0
+
+
+def _dial(host: str) -> str:
+    """The address to reach a listener on ``host`` from this machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+
+
+def _tls(cert: str | None) -> dict:
+    """``SpecServeClient``'s TLS arguments for a proxy serving ``cert`` (it is its own CA when self-signed)."""
+    return {"tls": True, "ca": cert} if cert else {}
 
 
 def metrics_urls() -> list[str]:
@@ -112,17 +170,24 @@ def metrics_urls() -> list[str]:
 
 
 def cmd_down(args) -> int:
+    head = load_head()
+    address = args.address or (head.address if head else "auto")
+    use_token(address)
     import ray
     from ray import serve
     try:
-        ray.init(address=args.address, namespace="specserve", include_dashboard=False)
+        ray.init(address=address, namespace="specserve", include_dashboard=False)
     except ConnectionError as e:
-        print(f"specserve: no Ray cluster at {args.address}: {e}", file=sys.stderr)
+        print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
         return 1
     serve.delete(args.app)
     serve.shutdown()
     ray.shutdown()
     if args.stop_ray:
-        subprocess.run(["ray", "stop"], check=False)
+        if head is None:
+            print("specserve: no Ray head started by `specserve up --detach` is running", file=sys.stderr)
+        else:
+            head.stop()
+            print(f"specserve: Ray head {head.address} (pid {head.pid}) stopped", file=sys.stderr)
     print(f"specserve: {args.app} stopped", file=sys.stderr)
     return 0
