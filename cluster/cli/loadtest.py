@@ -21,6 +21,7 @@ from cluster.loadtest import (
 from cluster.loadtest.prompts import from_file, heldout
 from cluster.loadtest.report import format_markdown
 from cluster.loadtest.spec import parse_stages, request_spec, stages_from_levels
+from cluster.serving.ray_node import use_token
 
 
 def add_loadtest_command(sub) -> None:
@@ -120,6 +121,7 @@ def cmd_loadtest(args) -> int:
     replicas = None
     if args.ray_address:
         try:
+            use_token(args.ray_address)        # the cluster's Ray token (docs/cluster.md, "Security")
             connect_ray(args.ray_address)
         except ConnectionError as e:
             print(f"specserve: loadtest: cannot join the Ray cluster at {args.ray_address} to count replicas: "
