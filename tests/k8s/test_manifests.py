@@ -53,7 +53,9 @@ def _mutated(doc, change):
 
 def test_manifests_exist():
     assert set(RAYSERVICES) == set(EXPECT), "every RayService in k8s/ needs its EXPECT entry"
-    assert {d["kind"] for _, d in DOCS} >= {"RayService", "PodMonitor", "Ingress"}
+    assert {d["kind"] for _, d in DOCS} >= {"RayService", "PodMonitor", "PrometheusRule", "NetworkPolicy", "Gateway",
+                                         "HTTPRoute", "GRPCRoute", "Certificate"}
+    assert "Ingress" not in {d["kind"] for _, d in DOCS}      # ingress-nginx is end of life: the Gateway API
 
 
 @pytest.mark.parametrize("name,doc", DOCS, ids=[n for n, _ in DOCS])
@@ -101,11 +103,11 @@ def test_kubernetes_validator_rejects_embedded_objects():
 
 
 def test_kubernetes_validator_rejects_core_objects():
-    ingress = next(d for _, d in DOCS if d["kind"] == "Ingress")
-    broken = _mutated(ingress, lambda d: d["spec"]["rules"][0]["http"]["paths"][0].__setitem__("pathtype", "Prefix"))
-    assert any("pathtype" in e for e in k8s_errors(broken))
-    no_backend = _mutated(ingress, lambda d: d["spec"]["rules"][0]["http"]["paths"][0].pop("backend"))
-    assert any("backend" in e for e in k8s_errors(no_backend))
+    policy = next(d for _, d in DOCS if d["kind"] == "NetworkPolicy")
+    broken = _mutated(policy, lambda d: d["spec"]["ingress"][1]["ports"][0].__setitem__("prot", 8000))
+    assert any("prot" in e for e in k8s_errors(broken))
+    no_selector = _mutated(policy, lambda d: d["spec"].pop("podSelector"))
+    assert any("podSelector" in e for e in k8s_errors(no_selector))
 
 
 def test_podmonitor_validator_rejects():
@@ -298,15 +300,3 @@ def test_podmonitor_selects_every_ray_pod_and_port():
             labels = {**template.get("metadata", {}).get("labels", {}), "ray.io/is-ray-node": "yes"}  # KubeRay's
             assert all(labels.get(k) == v for k, v in want.items()), (name, group)
             assert "app.kubernetes.io/name" not in labels      # KubeRay sets it to kuberay on Ray pods
-
-
-def test_ingress_backends_name_a_serve_service_and_port():
-    services = {d["spec"]["serveService"]["metadata"]["name"]: d["spec"]["serveService"]["spec"]["ports"]
-                for d in RAYSERVICES.values()}
-    for _, ing in [x for x in DOCS if x[1]["kind"] == "Ingress"]:
-        assert ing["spec"]["tls"], "TLS ends at the ingress"
-        for rule in ing["spec"]["rules"]:
-            for path in rule["http"]["paths"]:
-                svc = path["backend"]["service"]
-                assert svc["name"] in services
-                assert svc["port"]["name"] in {p["name"] for p in services[svc["name"]]}

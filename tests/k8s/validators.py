@@ -9,8 +9,8 @@
   CEL rules (``x-kubernetes-validations``) are not evaluated.
 * Kubernetes core objects (and the pod templates, Service and metadata inside a RayService): the
   Kubernetes JSON schemas shipped by the ``kubernetes-validate`` package, strict variant.
-* PodMonitor: a hand-written strict schema of the fields our manifest uses (the Prometheus Operator's CRD
-  is not available here), plus ObjectMeta and LabelSelector from the Kubernetes schemas.
+* Gateway API, cert-manager and Prometheus Operator objects: strict schemas of the fields our manifests may
+  use (tests/k8s/schemas.py; their CRDs are not vendored), plus ObjectMeta from the Kubernetes schemas.
 * ``serveConfigV2``: Ray Serve's own pydantic models (``ServeDeploySchema``), plus a walk over the same
   models that rejects keys they do not declare (Ray's models ignore unknown keys silently).
 """
@@ -167,47 +167,33 @@ def rayservice_core_errors(doc: dict) -> list[str]:
     return errors
 
 
-# -- PodMonitor (monitoring.coreos.com/v1) ---------------------------------------------------------------
-def _obj(props: dict, required=()) -> dict:
-    return {"type": "object", "properties": props, "additionalProperties": False, "required": list(required)}
-
-
-_STR, _STRS = {"type": "string"}, {"type": "array", "items": {"type": "string"}}
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
-                                          r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
-_RELABEL = _obj({"sourceLabels": _STRS, "separator": _STR, "targetLabel": _STR, "regex": _STR,
-                 "modulus": {"type": "integer"}, "replacement": _STR,
-                 "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod",
-                                     "labelmap", "LabelMap", "labeldrop", "LabelDrop", "labelkeep", "LabelKeep",
-                                     "lowercase", "Lowercase", "uppercase", "Uppercase", "keepequal",
-                                     "KeepEqual", "dropequal", "DropEqual"]}})
-_LABEL_SELECTOR = _obj({"matchLabels": {"type": "object", "additionalProperties": _STR},
-                        "matchExpressions": {"type": "array", "items": _obj(
-                            {"key": _STR, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                             "values": _STRS}, ["key", "operator"])}})
-PODMONITOR_SCHEMA = _obj({
-    "apiVersion": {"const": "monitoring.coreos.com/v1"},
-    "kind": {"const": "PodMonitor"},
-    "metadata": {"type": "object"},          # checked as ObjectMeta by the Kubernetes schema
-    "spec": _obj({
-        "jobLabel": _STR,
-        "podTargetLabels": _STRS,
-        "namespaceSelector": _obj({"any": {"type": "boolean"}, "matchNames": _STRS}),
-        "selector": _LABEL_SELECTOR,
-        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _obj({
-            "port": _STR, "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
-            "path": {"type": "string", "pattern": "^/"}, "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-            "interval": _DURATION, "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"},
-            "relabelings": {"type": "array", "items": _RELABEL},
-            "metricRelabelings": {"type": "array", "items": _RELABEL}})},
-    }, ["selector", "podMetricsEndpoints"]),
-}, ["apiVersion", "kind", "metadata", "spec"])
-
-
-def podmonitor_errors(doc: dict) -> list[str]:
-    v = jsonschema.Draft7Validator(PODMONITOR_SCHEMA)
+# -- the other custom resources (tests/k8s/schemas.py) -----------------------------------------------------
+def custom_errors(doc: dict) -> list[str]:
+    """A Gateway API, cert-manager or Prometheus Operator object against its strict schema (schemas.SCHEMAS),
+    its metadata against ObjectMeta."""
+    from tests.k8s.schemas import SCHEMAS
+    v = jsonschema.Draft7Validator(SCHEMAS[doc.get("kind")])
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in v.iter_errors(doc)]
     return errors + k8s_errors(as_object_meta(doc.get("metadata", {})), "metadata: ")
+
+
+podmonitor_errors = custom_errors
+
+
+def upstream_crd_validators(directory: Path) -> dict:
+    """{kind: strict validator of its served storage version} for every CRD file in ``directory`` (the upstream
+    Gateway API, cert-manager and Prometheus Operator CRDs, when someone provides them)."""
+    out = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        for crd in load_docs(path):
+            if crd.get("kind") != "CustomResourceDefinition":
+                continue
+            for version in crd["spec"]["versions"]:
+                if version.get("served") and version.get("storage"):
+                    schema = strictify(version["schema"]["openAPIV3Schema"])
+                    out[crd["spec"]["names"]["kind"]] = (f"{crd['spec']['group']}/{version['name']}",
+                                                         _KubeValidator(schema))
+    return out
 
 
 # -- dispatch -----------------------------------------------------------------------------------------------
@@ -219,8 +205,9 @@ def manifest_errors(doc: dict) -> list[str]:
         if not errors and kind == "RayService":
             errors = rayservice_core_errors(doc)
         return errors
-    if kind == "PodMonitor":
-        return podmonitor_errors(doc)
+    from tests.k8s.schemas import SCHEMAS
+    if kind in SCHEMAS:
+        return custom_errors(doc)
     return k8s_errors(doc, f"{kind}/{doc.get('metadata', {}).get('name')}: ")
 
 
