@@ -2,9 +2,9 @@
 
 A speculative step is worth its extra target tokens only while the target forward is cheap in tokens:
 batching 16 rows costs ~2.4x one row, and at high batch a 5-token verification costs ~1.8x a decoding
-step (docs: /work/shared/design/batching-notes.md).  The open-loop cost model alone misprices a step (the
-drafter's catch-up after plain steps, the engine's own work per round, round trips, noise), so the planner
-measures what its choices really yield and moves toward what measures best, in the spirit of vLLM's
+step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures it).  The open-loop cost
+model alone misprices a step (the drafter's catch-up after plain steps, the engine's own work per round,
+round trips, noise), so the planner measures what its choices really yield and moves toward what measures best, in the spirit of vLLM's
 batch-size-dependent draft length and SGLang's adaptive speculation, of nano-PEARL's per-batch-size draft
 length (gamma) profile, and of the adaptive draft length of Liu et al., *Parallel Speculative Decoding
 with Adaptive Draft Length* (PEARL).
