@@ -4,10 +4,10 @@ A speculative step is worth its extra target tokens only while the target forwar
 batching 16 rows costs ~2.4x one row, and at high batch a 5-token verification costs ~1.8x a decoding
 step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures it).  The open-loop cost
 model alone misprices a step (the drafter's catch-up after plain steps, the engine's own work per round,
-round trips, noise), so the planner measures what its choices really yield and moves toward what measures best, in the spirit of vLLM's
-batch-size-dependent draft length and SGLang's adaptive speculation, of nano-PEARL's per-batch-size draft
-length (gamma) profile, and of the adaptive draft length of Liu et al., *Parallel Speculative Decoding
-with Adaptive Draft Length* (PEARL).
+round trips, noise), so the planner measures what its choices really yield and moves toward what measures
+best, in the spirit of vLLM's batch-size-dependent draft length and SGLang's adaptive speculation, of
+nano-PEARL's per-batch-size draft length (gamma) profile, and of the adaptive draft length of Liu et al.,
+*Parallel Speculative Decoding with Adaptive Draft Length* (PEARL).
 
 Per step, :meth:`Planner.plan` groups the running requests whose strategy is load-aware
 (``strategy.load_aware``, option ``plan=load_aware``) by drafter and chooses one k in 0..min(strategy.k)
