@@ -164,7 +164,7 @@ class Config:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     zoo_cache_dir: str | None = None
     mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/cluster_config.py)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/config/layout.py)
     source: str = "<dict>"
 
     def validate(self) -> None:
