@@ -88,6 +88,8 @@ class Coordinator:
             if self.engine.health.down:
                 self.engine.health.refresh()
                 self._notify()
+            if self.metrics is not None:         # specserve_model_up per model (never raises)
+                self.metrics.set_models_up({n: n not in self.engine.health.down for n in self.entries})
             self._stop.wait(period_s)
 
     # -- the step loop ------------------------------------------------------------------------------

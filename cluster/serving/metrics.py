@@ -62,7 +62,7 @@ EXPORTED = {
     "ray_vllm_e2e_request_latency_seconds": "histogram", "ray_vllm_request_prompt_tokens": "histogram",
     "ray_vllm_request_generation_tokens": "histogram",
     "ray_specserve_requests_total": "counter", "ray_specserve_cascade_deferrals_total": "counter",
-    "ray_specserve_cascade_deferral_checks_total": "counter",
+    "ray_specserve_cascade_deferral_checks_total": "counter", "ray_specserve_model_up": "gauge",
 }
 
 log = logging.getLogger("specserve.metrics")
@@ -152,7 +152,11 @@ class Metrics:
         self.req_prompt = histogram("vllm_request_prompt_tokens", "prompt tokens per request", TOKEN_BOUNDS)
         self.req_generated = histogram("vllm_request_generation_tokens", "generated tokens per request",
                                        TOKEN_BOUNDS)
+        self.model_up = Gauge("specserve_model_up", "1 while a model of the unit answers, 0 while it is marked "
+                              "down (its requests go on without it; a down target fails them)",
+                              tag_keys=("model_name", "model"))
         self._load: tuple[int, int, float] | None = None
+        self._up: dict[str, bool] = {}
 
     def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None,
                error: BaseException | None = None, timeline: Timeline | None = None) -> None:
@@ -179,6 +183,17 @@ class Metrics:
             self._load = (running, waiting, kv_usage)
         except Exception as e:             # noqa: BLE001
             log.warning("load not recorded: %s", shown(e, 200))
+
+    def set_models_up(self, up: dict[str, bool]) -> None:
+        """Each model of the unit: answering (True) or marked down (after each watchdog round).  Never raises."""
+        if up == self._up:
+            return
+        try:
+            for model, ok in up.items():
+                self.model_up.set(1.0 if ok else 0.0, {"model_name": self.model_name, "model": model})
+            self._up = dict(up)
+        except Exception as e:             # noqa: BLE001
+            log.warning("model health not recorded: %s", shown(e, 200))
 
     def _record(self, strategy: str, outcome: str, result, e2e_s: float | None, timeline: Timeline | None) -> None:
         tags = {"model_name": self.model_name, "strategy": strategy}
