@@ -7,6 +7,7 @@ import of anything but a heavy optional dependency.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,80 @@ def test_core_imports_no_ray_grpc_or_transformers():
             "print(sorted(m for m in ('ray', 'grpc', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# -- docs/architecture.md cannot drift ---------------------------------------------------------------------
+ARCH = ROOT / "docs" / "architecture.md"
+_PY = re.compile(r"(?<![\w/.])`?([A-Za-z_][\w]*\.py)\b")
+
+
+def _section(title: str) -> str:
+    text = ARCH.read_text()
+    start = text.index(f"### {title}")
+    end = text.find("\n### ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def _documented_rooms() -> dict[str, set[str]]:
+    """{room as the table writes it (``core/``, ``errors.py``): the module names its rows give}."""
+    rooms, current = {}, None
+    for line in _section("The rooms").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 3 or cells[0] == "room" or (cells[0] and set(cells[0]) <= set("-")):
+            continue
+        current = cells[0].strip("`") or current
+        rooms.setdefault(current, set()).update(_PY.findall(cells[1] + " " + cells[2]))
+    return rooms
+
+
+def _documented_dirs() -> dict[str, str]:
+    """{top-level directory: the text of its bullet} from "The other top-level directories"."""
+    out, current = {}, None
+    for line in _section("The rooms").split("The other top-level directories:")[1].splitlines():
+        m = re.match(r"\* `([\w.-]+)/`", line)
+        if m:
+            current = m.group(1)
+            out[current] = line
+        elif current and line.startswith("  "):
+            out[current] += "\n" + line
+        elif line.strip():
+            current = None
+    return out
+
+
+def _py_files(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("*.py")} - {"__init__.py"}
+
+
+def test_architecture_names_every_room_and_module_there_is():
+    rooms = _documented_rooms()
+    on_disk = {f"{p.name}/" for p in (ROOT / "cluster").iterdir() if p.is_dir() and _py_files(p)}
+    on_disk |= {p.name for p in (ROOT / "cluster").glob("*.py")} - {"__init__.py"}
+    assert set(rooms) == on_disk, f"rooms the page lacks: {on_disk - set(rooms)}; " \
+                                  f"rooms that do not exist: {set(rooms) - on_disk}"
+    for room_name, named in rooms.items():
+        if not room_name.endswith("/"):
+            continue
+        disk = _py_files(ROOT / "cluster" / room_name)
+        assert disk <= named, f"cluster/{room_name}: modules docs/architecture.md does not name: {disk - named}"
+        assert named - {"__init__.py"} <= disk, f"cluster/{room_name}: named but missing: {named - disk}"
+
+
+def test_architecture_names_every_directory_config_manifest_and_test_room():
+    dirs = _documented_dirs()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    top = {f.split("/")[0] for f in tracked.stdout.splitlines() if "/" in f and not f.startswith(".")} \
+        if tracked.returncode == 0 else {"actors", "protos", "configs", "k8s", "tests", "docs"}
+    assert top - {"cluster"} <= set(dirs), f"top-level directories the page does not name: {top - set(dirs)}"
+    for name in ("actors", "protos"):
+        named = set(_PY.findall(dirs[name]))
+        assert _py_files(ROOT / name) == named - {"__init__.py"}, (name, _py_files(ROOT / name) ^ named)
+    for name, pattern in (("configs", "*.yaml"), ("k8s", "**/*.*"), ("docs", "*.md")):
+        disk = {str(p.relative_to(ROOT / name)) for p in (ROOT / name).glob(pattern) if p.is_file()}
+        named = set(re.findall(r"`([\w./-]+\.(?:yaml|json|md))`", dirs[name]))
+        assert disk == named, f"{name}/: on disk, not named: {disk - named}; named, not on disk: {named - disk}"
+    test_rooms = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    named = set(re.findall(r"`(\w+)/", dirs["tests"].split("\n", 1)[1]))
+    assert test_rooms == named, f"tests/: rooms not named: {test_rooms - named}; named, missing: {named - test_rooms}"
+    for path in re.findall(r"`(support/\w+\.py)`", dirs["tests"]):
+        assert (ROOT / "tests" / path).is_file(), path
