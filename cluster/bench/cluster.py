@@ -2,9 +2,9 @@
 
 Runtimes (same weights, same held-out prompts, interleaved prompt by prompt):
   * ``in-process`` -- :func:`cluster.local.build_engine`;
-  * ``cluster/default`` -- the coordinator's engine over Ray actors, drafters in the coordinator;
-  * ``cluster/default-ray`` -- the same, per-step calls as Ray actor tasks instead of direct sockets;
-  * ``cluster/separated`` -- every model its own actor (direct sockets).
+  * ``cluster/separated`` -- the coordinator's engine, the drafters behind the draft side in their own actor;
+  * ``cluster/colocated`` -- the same engine, the drafters in the coordinator's process.
+Actors are reached with plain Ray actor calls (:mod:`actors.protocol`); the target sits where the config puts it.
 The cluster rows run the coordinator's engine in this process (the per-step path a Serve replica
 runs; a request's gRPC/HTTP hop is paid once per request, not per step).  Columns: tokens/s and
 its ratio to in-process; per decoding step (= target call): wall ms, the share spent in actor
