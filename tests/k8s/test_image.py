@@ -128,3 +128,12 @@ def test_the_image_installs_the_serving_set_only():
     code = f"import sys; {block}; import cluster.serving.app, cluster.cli.main, actors.model_actor"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_make_setup_installs_every_extra():
+    """README's two commands still set up everything: the Makefile installs the project with all its extras."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = text[text.index("[project.optional-dependencies]"):text.index("[project.scripts]")]
+    extras = set(re.findall(r"^(\w+) = \[", block, re.M))
+    (installed,) = re.findall(r"pip install -q -e '\.\[([\w,]+)\]'", (ROOT / "Makefile").read_text())
+    assert extras >= {"dev", "loadtest", "bench", "proto"} and set(installed.split(",")) == extras
