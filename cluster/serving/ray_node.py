@@ -26,6 +26,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,14 @@ def _gcs_up(address: str) -> bool:
         return False
 
 
+def temp_dir(port: int) -> Path:
+    """The Ray temp dir of the cluster whose GCS port is ``port``: its own, not /tmp/ray, where ``ray start``
+    would record itself as the machine's current cluster (``ray_current_cluster``), which every later
+    ``ray.init()`` without an address then joins instead of starting its own.  Short: Ray's socket paths live
+    under it."""
+    return Path(tempfile.gettempdir()) / f"specserve-ray-{port}"
+
+
 def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOOPBACK,
                num_cpus: float | None = None, resources: dict | None = None, env: dict | None = None,
                log_path: Path | None = None) -> RayNode:
@@ -108,8 +117,9 @@ def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOO
     (its Jobs API runs code) and the Ray client server binds the node address.  A joining node needs an
     address other than Ray's localhost (e.g. 127.0.0.2): Ray refuses to join from a local-only node.
     """
+    gcs_port = port if head_address is None else int(head_address.rsplit(":", 1)[1])
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-           "--node-ip-address", node_ip]
+           "--node-ip-address", node_ip, "--temp-dir", str(temp_dir(gcs_port))]
     if head_address is None:
         cmd += ["--head", "--port", str(port), "--include-dashboard=false", "--dashboard-host", node_ip]
     else:
