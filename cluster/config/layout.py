@@ -26,6 +26,7 @@ TARGET_PLACEMENTS = ("coordinator", "actor")
 BACKENDS = ("auto", "gloo", "nccl")
 # Ray placement-group strategies for the TP ranks; auto = STRICT_PACK (one node) with GPUs, PACK on CPU
 TP_STRATEGIES = ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+PROXY_LOCATIONS = ("EveryNode", "HeadOnly")
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,252}")
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9_.\-/]{0,63}")
@@ -153,6 +154,9 @@ class ClusterSpec:
     grpc_tls_key: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8000
+    # Serve proxies: on every node (KubeRay's worker readiness asks the local one) or the head only (one
+    # machine running several Ray nodes: their proxies would compete for the same ports)
+    proxy_location: str = "EveryNode"
     # auth (docs/cluster.md, "Security"): the API key from this file (a mounted secret) if set, else from the
     # environment variable; neither: auth off.  The operator key also sees other clients' request ids.
     api_key_env: str = "SPECSERVE_API_KEY"
@@ -169,6 +173,9 @@ class ClusterSpec:
             raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if self.tp_strategy not in TP_STRATEGIES:
             raise ConfigError(f"{path}.tp_strategy: one of {', '.join(TP_STRATEGIES)}, got {self.tp_strategy!r}")
+        if self.proxy_location not in PROXY_LOCATIONS:
+            raise ConfigError(f"{path}.proxy_location: one of {', '.join(PROXY_LOCATIONS)}, "
+                              f"got {self.proxy_location!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name, low, high in (("tp_size", 1, 1024),

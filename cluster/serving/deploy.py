@@ -32,13 +32,13 @@ def deployment_options(cfg: Config) -> dict:
     return opts
 
 
-def serve_config(cfg: Config, config_path: str, *, proxy_location: str = "EveryNode",
+def serve_config(cfg: Config, config_path: str, *, proxy_location: str | None = None,
                  inline: dict | None = None) -> dict:
     """The Serve config deploying ``cfg``: read from ``config_path`` where Serve runs, or, with ``inline`` (the
     config file's mapping), carried in the application's args (``source``: ``config_path``), as k8s/ does."""
     cl = cfg.cluster
     args = {"config": config_path} if inline is None else {"source": config_path, "config": inline}
-    return {"proxy_location": proxy_location,
+    return {"proxy_location": proxy_location or cl.proxy_location,
             "http_options": {"host": cl.http_host, "port": cl.http_port},
             "grpc_options": {"port": cl.grpc_port, "grpc_servicer_functions": list(GUARDED_SERVICER_FUNCTIONS)},
             "applications": [{"name": cl.app_name, "route_prefix": "/", "import_path": APP_BUILDER,
