@@ -3,10 +3,12 @@
 A serving unit = a coordinator (the Serve replica running :class:`cluster.engine.Engine`), its
 drafters and its target group.  Serve replicas scale whole units (``replicas``, or ``autoscaling``).
 
-Topologies:
-  * ``default``   -- drafters run inside the coordinator process (small models: no RPC per draft
-    token), the target is its own actor (or tensor-parallel group of ``tp_size`` rank actors).
-  * ``separated`` -- every model is its own actor (drafters too); the fully distributed layout.
+Topologies (where the drafters run):
+  * ``separated`` (default) -- every drafter and the Max-Gram drafter in one draft-group actor behind the draft
+    side: one round trip per step for the whole draft block.
+  * ``colocated`` -- the drafters inside the coordinator process (small models: no call per draft).
+The target (``target_placement``) runs in the coordinator's process by default, or as an actor, or as a
+tensor-parallel group of ``tp_size`` rank actors.
 """
 from __future__ import annotations
 
