@@ -54,6 +54,11 @@ class HFTokenizer:
     def stream(self) -> "HFStream":
         return HFStream(self.tok.backend_tokenizer)
 
+    def __call__(self, text: str, **kwargs):
+        """The Hugging Face call convention, delegated (offset mappings included): the family's held-out
+        prompts (:func:`cluster.family.corpus.heldout_prompts`) cut text at token boundaries with it."""
+        return self.tok(text, **kwargs)
+
 
 class ByteStream:
     """Byte tokens through the standard library's incremental UTF-8 decoder (``errors="replace"``, as

@@ -76,3 +76,14 @@ def test_byte_fallback_holds_partial_characters(tokenizers):
     pieces, tail = _streamed(tok, [cat] + ids + [bad, cat])          # DecodeStream raises on this one
     assert pieces == ["cat", "", "", "猫", "", "\ufffd cat"] and tail == ""
     assert tok.decode([cat] + ids + [bad, cat]) == "cat\ufffd\ufffd\ufffd\ufffd cat"
+
+
+@pytest.mark.parametrize("name", ["byte", "byte_level"])
+def test_held_out_prompts_cut_at_token_boundaries(tokenizers, name):
+    """The family's held-out prompts (demo, bench) call the tokenizer with the Hugging Face convention
+    (``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)``): both adapters honour it."""
+    from cluster.family.corpus import heldout_prompts
+    prompts = heldout_prompts(tokenizers[name], 2)
+    assert len(prompts) == 2 and all(p["prompt_ids"] for p in prompts)
+    for p in prompts:
+        assert tokenizers[name].encode(p["prompt"]) == p["prompt_ids"]
