@@ -67,6 +67,9 @@ def add_cluster_commands(sub) -> None:
     c.add_argument("--info", action="store_true", help="print ServerInfo and exit")
     c.add_argument("--health", action="store_true", help="print the gRPC health status and exit")
     c.add_argument("--timeout", help="per-call deadline in seconds")
+    c.add_argument("--tls", action="store_true", help="connect over TLS (a server started with --tls-cert)")
+    c.add_argument("--ca", help="PEM file of the CA (or self-signed) certificate to trust (with --tls; "
+                   "default: the system's roots)")
 
 
 def run_cluster_command(args) -> int:

@@ -15,26 +15,42 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Iterator
 
 import grpc
 
 from cluster.errors import ParamError
+from cluster.serving.client_policy import DEFAULT_TIMEOUT_S, channel_options, wait_serving
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pbg
 
 API_KEY_ENV, OPERATOR_KEY_ENV = "SPECSERVE_API_KEY", "SPECSERVE_OPERATOR_KEY"
 
 
+def _credentials(ca: str | None) -> grpc.ChannelCredentials:
+    if ca is None:
+        return grpc.ssl_channel_credentials()
+    try:
+        with open(ca, "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as e:
+        raise ParamError("ca", "a readable PEM file of CA certificates", ca) from e
+
+
 class SpecServeClient:
     """``api_key``: sent as ``authorization: Bearer <key>`` metadata; None (default) reads $SPECSERVE_API_KEY,
-    "" sends none."""
+    "" sends none.  ``tls``: connect over TLS (``specserve up --tls-cert``), trusting the PEM certificates in
+    ``ca`` (e.g. the server's self-signed certificate), or the system's roots without it."""
 
     def __init__(self, address: str = "127.0.0.1:9000", *, app: str | None = "specserve",
-                 timeout: float | None = None, api_key: str | None = None):
+                 timeout: float | None = DEFAULT_TIMEOUT_S, api_key: str | None = None, tls: bool = False,
+                 ca: str | None = None):
         self.address, self.timeout = address, timeout
-        self.channel = grpc.insecure_channel(address)
+        self.options = channel_options()          # UNAVAILABLE retried before the first token (client_policy)
+        if ca is not None and not tls:
+            raise ParamError("ca", "only with tls=True (--tls)", ca)
+        self.channel = grpc.secure_channel(address, _credentials(ca), options=self.options) if tls else \
+            grpc.insecure_channel(address, options=self.options)
         self.stub = pbg.SpecServeStub(self.channel)
         if api_key is None:
             api_key = os.environ.get(API_KEY_ENV, "").strip()
@@ -76,21 +92,13 @@ class SpecServeClient:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         stub = health_pb2_grpc.HealthStub(self.channel)
         r = stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=self.metadata,
-                       timeout=self.timeout or 10)
+                       timeout=min(self.timeout or 10.0, 10.0))     # a health check answers at once
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
-    def wait_ready(self, timeout: float = 300.0, poll_s: float = 0.5) -> None:
-        """Poll health until SERVING (raises TimeoutError with the last status)."""
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            try:
-                last = self.health()
-                if last == "SERVING":
-                    return
-            except grpc.RpcError as e:
-                last = f"{e.code().name}: {e.details()}"
-            time.sleep(poll_s)           # polling interval of a condition with a deadline
-        raise TimeoutError(f"{self.address} not SERVING after {timeout}s (last: {last})")
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Return once health is SERVING: the channel connects, then health ``Watch`` reports the status as it
+        changes (no polling); raises TimeoutError with the last status."""
+        wait_serving(self.channel, self.metadata, timeout, self.address)
 
     def close(self) -> None:
         self.channel.close()
@@ -108,7 +116,9 @@ def main_client(args) -> int:
     from google.protobuf.json_format import MessageToDict
     # --info with $SPECSERVE_OPERATOR_KEY set: the operator key (it also lists other clients' request ids)
     key = (os.environ.get(OPERATOR_KEY_ENV, "").strip() or None) if args.info else None
-    c = SpecServeClient(args.address, app=args.app, timeout=float(args.timeout) if args.timeout else None,
+    timeout = float(args.timeout) if args.timeout else DEFAULT_TIMEOUT_S
+    c = SpecServeClient(args.address, app=args.app, timeout=timeout,
+                        tls=args.tls, ca=args.ca,
                         api_key=key)
     try:
         if args.health:
