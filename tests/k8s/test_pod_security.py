@@ -25,6 +25,21 @@ def test_every_pod_passes_pod_security_restricted(name):
         assert spec["containers"][0]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
+def test_the_production_cluster_uses_kuberays_token_auth():
+    """authOptions (KubeRay >= 1.5.1) needs Ray >= 2.52; the probes only use paths Ray's token check leaves
+    public (its dashboard agent's PUBLIC_EXACT_PATHS) or Serve's application port."""
+    from ray.dashboard.http_server_agent import PUBLIC_EXACT_PATHS
+    assert "/api/healthz" in PUBLIC_EXACT_PATHS
+    rc = RAYSERVICES["rayservice-production-70b.yaml"]["spec"]["rayClusterConfig"]
+    assert rc["authOptions"] == {"mode": "token"}
+    assert tuple(map(int, rc["rayVersion"].split(".")[:2])) >= (2, 52)
+    for _, template in ray_pod_templates(RAYSERVICES["rayservice-production-70b.yaml"]):
+        c = template["spec"]["containers"][0]
+        for probe in (c["readinessProbe"], c["livenessProbe"]):
+            get = probe["httpGet"]         # Ray's agent: /api/healthz is public; port 8000 is Serve's app
+            assert (get["path"], get["port"]) in {("/api/healthz", 52365), ("/health", 8000)}, get
+
+
 def _ray_container(doc):
     return doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
 
