@@ -84,6 +84,7 @@ class Coordinator:
                 try:
                     ray.get(rs, timeout=max(0.01, deadline - time.perf_counter()))
                 except Exception as e:                  # noqa: BLE001 - dead, restarting or hung
+                    remote[name].handle.endpoint.mark_down()     # calls fail fast until a probe answers
                     self.engine.model_down(name, e)
             if self.engine.health.down:
                 self.engine.health.refresh()
@@ -224,9 +225,17 @@ class Coordinator:
         self.warm = True
 
     def health(self) -> dict:
-        """Ping every actor (raises if one is gone)."""
-        return {e.name: (e.handle.endpoint.health() if e.placement != "local" else [{"ok": True}])
-                for e in self.entries.values()}
+        """Serve's replica health check: ping the target's actors (raises if one is gone: nothing is served
+        without it, and Serve replaces the unit).  A drafter that does not answer fails no check: the watchdog
+        has marked it down, its requests go on on the target alone and speculation resumes once it is back
+        (cluster/engine/health.py); failing here would make Serve kill the whole unit, requests and all."""
+        out = {}
+        for e in self.entries.values():
+            if e.placement != "local" and e.name == self.cfg.target:
+                out[e.name] = e.handle.endpoint.health()
+            else:
+                out[e.name] = "down" if e.name in self.engine.health.down else "ok"
+        return out
 
     def live_requests(self) -> list[Sequence]:
         return self.engine.live()

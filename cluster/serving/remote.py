@@ -26,13 +26,19 @@ from cluster.core.sampling import SamplingParams
 from cluster.errors import ModelUnavailableError
 
 log = logging.getLogger("specserve.remote")
+WAIT_SLICE_S = 0.5      # how often a waiting call looks whether the watchdog marked its endpoint down
 
 class Endpoint:
     """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group, called through Ray.
 
     A single actor is restarted by Ray (``max_restarts``).  A group cannot take a restarted rank back into its
     ``torch.distributed`` process group, so a group endpoint has a ``rebuild`` (``() -> (actors, placement
-    group)``): once the group is down, :meth:`probe` kills every rank and starts a whole new group."""
+    group)``): once the group is down, :meth:`probe` kills every rank and starts a whole new group.
+
+    Once a call found it gone (or the watchdog did, :meth:`mark_down`), calls fail at once with
+    :class:`ModelUnavailableError` until :meth:`probe` sees it answer: a dead actor that Ray restarts stays
+    pending until some node can host it (its node may be gone for good), and each call would otherwise wait
+    ``timeout_s``; the engine's end-of-step releases would stall the step loop that long."""
 
     def __init__(self, actors: list, *, name: str = "model", timeout_s: float = 300.0, placement_group=None,
                  rebuild: Callable[[], tuple[list, object]] | None = None):
@@ -43,16 +49,40 @@ class Endpoint:
         self._rebuild = rebuild
         self._rebuilding: threading.Thread | None = None
         self._rebuilt = False
+        self.down = False
+
+    def mark_down(self) -> None:
+        self.down = True
 
     def _all(self, method: str, *args):
+        """Call ``method`` on every actor; wait up to ``timeout_s``, or until the endpoint is marked down (by
+        the watchdog: a call to a dead actor Ray restarts would otherwise wait all of ``timeout_s``)."""
         import ray
+        from ray.exceptions import GetTimeoutError
         with self._submit:
             refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return ray.get(refs, timeout=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return ray.get(refs, timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+            except GetTimeoutError:
+                if self.down:
+                    raise ModelUnavailableError(self.name, "marked down while a call waited") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def step(self, call: StepCall):
         """-> (result of rank 0, its compute seconds); :class:`ModelUnavailableError` when an actor is gone
         or does not answer within ``timeout_s`` (Ray restarts a dead model actor; see ``probe``)."""
+        if self.down:
+            raise ModelUnavailableError(self.name, "down until it answers again")
+        try:
+            return self._step(call)
+        except ModelUnavailableError:
+            self.down = True
+            raise
+
+    def _step(self, call: StepCall):
         from ray.exceptions import (
             ActorUnavailableError,
             GetTimeoutError,
@@ -85,7 +115,8 @@ class Endpoint:
         it has been rebuilt, see the class docstring)."""
         import ray
         if self._rebuild is not None:
-            return self._probe_group()
+            self.down = not self._probe_group()
+            return not self.down
         if self._probe is None:
             self._probe = [a.health.remote() for a in self.actors]
         ready, _ = ray.wait(self._probe, num_returns=len(self._probe), timeout=0)
@@ -94,6 +125,7 @@ class Endpoint:
         refs, self._probe = self._probe, None
         try:
             ray.get(refs, timeout=1.0)
+            self.down = False
             return True
         except Exception:                                # noqa: BLE001 - still down: probe again later
             return False
