@@ -128,7 +128,10 @@ def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOO
         cmd += ["--num-cpus", str(num_cpus)]
     if resources:
         cmd += ["--resources", json.dumps(resources)]
-    full_env = {**os.environ, **auth_env(loopback=node_ip == LOOPBACK and head_address is None), **(env or {})}
+    # SIGTERM drains the node first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s) so Serve proxies can stop
+    # taking traffic; ours stop after Serve (down: serve.delete; up: serve.shutdown) or die with their cluster
+    full_env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ,
+                **auth_env(loopback=node_ip == LOOPBACK and head_address is None), **(env or {})}
     if node_ip != LOOPBACK or head_address is not None:
         full_env.pop(LOCAL_ONLY_ENV, None)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL       # noqa: SIM115 - the child owns it

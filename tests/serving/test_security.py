@@ -107,7 +107,8 @@ def test_a_driver_without_the_token_is_refused(outside, tmp_path):
     code = ("import ray, sys\ntry:\n    ray.init(address=sys.argv[1], include_dashboard=False)\n"
             "    print('connected')\nexcept ConnectionError as e:\n    print('refused')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env.update(HOME=str(tmp_path), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")     # no ~/.ray/auth_token there
+    env.update(HOME=str(tmp_path), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",     # no ~/.ray/auth_token there
+               RAY_NUM_REDIS_GET_RETRIES="2")          # Ray's connect retries (20 by default, ~1 s each)
     res = subprocess.run([sys.executable, "-c", code, c["head"]["address"]], env=env, capture_output=True,
                          text=True, timeout=120)
     assert res.stdout.strip() == "refused" and "InvalidAuthToken" in res.stderr, res.stderr[-2000:]
