@@ -110,16 +110,19 @@ def temp_dir(port: int) -> Path:
 
 def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOOPBACK,
                num_cpus: float | None = None, resources: dict | None = None, env: dict | None = None,
-               log_path: Path | None = None) -> RayNode:
+               log_path: Path | None = None, block: bool = True) -> RayNode:
     """Start a Ray head (``head_address`` None; GCS on ``node_ip:port``) or a node joining ``head_address``.
 
     A head on 127.0.0.1 keeps every Ray port on loopback (see the module docstring); the dashboard is off
     (its Jobs API runs code) and the Ray client server binds the node address.  A joining node needs an
     address other than Ray's localhost (e.g. 127.0.0.2): Ray refuses to join from a local-only node.
+    ``block=False``: the node's processes outlive ``ray start`` (which returns once they run) and nothing
+    watches them; with ``--block`` one of them exiting unexpectedly (a GCS killed to test its fault tolerance)
+    stops the whole node.  Such a node is stopped by its processes' PIDs (``pid`` is not a live process).
     """
     gcs_port = port if head_address is None else int(head_address.rsplit(":", 1)[1])
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-           "--node-ip-address", node_ip, "--temp-dir", str(temp_dir(gcs_port))]
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *(["--block"] if block else []),
+           "--disable-usage-stats", "--node-ip-address", node_ip, "--temp-dir", str(temp_dir(gcs_port))]
     if head_address is None:
         cmd += ["--head", "--port", str(port), "--include-dashboard=false", "--dashboard-host", node_ip]
     else:
@@ -139,7 +142,7 @@ def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOO
     address = head_address or f"{node_ip}:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while head_address is None and not _gcs_up(address):     # a joining node: the caller waits in ray.nodes()
-        if proc.poll() is not None:
+        if proc.poll() not in (None, 0) or (proc.poll() == 0 and block):
             raise RuntimeError(f"ray start exited with {proc.returncode} (see {log_path or 'its output'})")
         if time.monotonic() > deadline:
             stop_pid(proc.pid)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from cluster.serving.ray_node import RayNode, auth_env, start_node
+from cluster.serving.ray_node import RayNode, auth_env, start_node, temp_dir
 from tests.support.polling import poll
 
 HEAD_IP = "127.0.0.2"
@@ -27,8 +27,8 @@ RESULT = "@@result "
 
 
 class MultiNode:
-    def __init__(self, tmp: Path, port: int):
-        self.tmp, self.port = tmp, port
+    def __init__(self, tmp: Path, port: int, head_env: dict | None = None):
+        self.tmp, self.port, self.head_env = tmp, port, head_env
         self.env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(tmp / "ray" / "auth_token")}
         self.head: RayNode | None = None
         self.workers: dict[str, RayNode] = {}
@@ -39,12 +39,20 @@ class MultiNode:
         os.environ["RAY_AUTH_TOKEN_PATH"] = self.env["RAY_AUTH_TOKEN_PATH"]      # start_node reads it
         self.env.update(auth_env(loopback=False))
         self.head = start_node(port=self.port, node_ip=HEAD_IP, num_cpus=0, resources={"node_head": 1},
-                               log_path=self.tmp / "head.log")
+                               env=self.head_env, log_path=self.tmp / "head.log", block=self.head_env is None)
         return self
 
     def __exit__(self, *exc) -> None:
-        for node in [*self.workers.values(), *([self.head] if self.head else [])]:
+        for node in self.workers.values():
             node.stop()
+        if self.head_env is None and self.head is not None:
+            self.head.stop()
+        elif self.head is not None:                      # not blocking: every process of its temp dir, by PID
+            for p in self.session_processes():
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         if self._saved is None:
             os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         else:
@@ -90,6 +98,18 @@ class MultiNode:
                 continue
             out[name] = sorted(_title(p) for p in procs if _title(p).startswith("ray::"))
         return out
+
+    def session_processes(self) -> list[psutil.Process]:
+        """Every process of this cluster started from its Ray temp dir, and their children (workers)."""
+        mark = str(temp_dir(self.port))
+        roots = [p for p in psutil.process_iter(["cmdline"]) if any(mark in a for a in p.info["cmdline"] or ())]
+        out = {p.pid: p for p in roots}
+        for p in roots:
+            try:
+                out.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+        return list(out.values())
 
     def raylet_pid(self, name: str) -> int:
         (raylet,) = [p for p in psutil.Process(self.workers[name].pid).children(recursive=True)
