@@ -14,17 +14,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 
-import grpc
-import psutil
 import pytest
 import yaml
 
-from cluster.serving.client import SpecServeClient
-from protos import specserve_pb2_grpc as pbg
 from tests.serving.test_multinode import MAX_NEW, PROMPTS, _config, _free_port, reference  # noqa: F401 - fixture
+from tests.support.load import Load
 from tests.support.multinode import MultiNode
 from tests.support.polling import poll
 
@@ -60,25 +56,6 @@ def test_serve_answers_while_the_gcs_restarts(redis_port, reference, tmp_path):
     cfg = _config()
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     head_env = {"RAY_REDIS_ADDRESS": f"127.0.0.1:{redis_port}", "RAY_external_storage_namespace": "specserve-ft"}
-    addr = f"127.0.0.1:{cfg['cluster']['grpc_port']}"
-    results, failures, stop = [], [], threading.Event()
-    give_up = time.monotonic() + 300
-
-    def client_loop(i: int) -> None:
-        with grpc.insecure_channel(addr) as ch:          # raw: every failure counts, none is retried
-            stub = pbg.SpecServeStub(ch)
-            for n in range(1000):                        # bounded: count, time, and the stop event
-                if stop.is_set() or time.monotonic() > give_up:
-                    return
-                p = PROMPTS[(i + n) % len(PROMPTS)]
-                try:
-                    r = stub.Generate(SpecServeClient.request(p, max_new_tokens=MAX_NEW, temperature=0.0,
-                                                              strategy="speculative"),
-                                      metadata=(("application", "specserve"),), timeout=60)
-                    results.append((time.monotonic(), p, list(r.token_ids)))
-                except grpc.RpcError as e:
-                    failures.append((time.monotonic(), e.code().name))
-
     with MultiNode(tmp_path, _free_port(), head_env=head_env) as mn:
         mn.add_worker("node_a")
         mn.add_worker("node_b")
@@ -86,41 +63,44 @@ def test_serve_answers_while_the_gcs_restarts(redis_port, reference, tmp_path):
         assert up.returncode == 0, up.stderr[-3000:]
         (gcs,) = [p for p in mn.session_processes() if p.name() == "gcs_server"]
         command, env = gcs.cmdline(), gcs.environ()
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
+        gcs_port = int(mn.address.rsplit(":", 1)[1])
         restarted = None
         try:
-            poll(lambda: len(results) >= 4, "4 completions before the GCS stops", 60)
-            os.kill(gcs.pid, signal.SIGKILL)     # a crash (the head runs without --block, which would stop it all)
-            gcs.wait(30)
-            down = time.monotonic()
-            poll(lambda: sum(t > down for t, _, _ in results) >= 8, "answers while the GCS is down", 60)
-            assert not _accepts(int(mn.address.rsplit(":", 1)[1]))          # still down while they came
-            during = sum(t > down for t, _, _ in results)
-            restarted = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=True)
-            back = time.monotonic()
-            poll(lambda: _accepts(int(mn.address.rsplit(":", 1)[1])), "the GCS to listen again", 60)
-            mn.add_worker("node_c")                                         # scales: a new node joins
-            new_app = mn.query(
-                "from ray import serve\n"
-                "@ray.remote(num_cpus=0.1, resources={'node_c': 0.01})\ndef where(): return ray.util.get_node_ip_address()\n"
-                "@serve.deployment(ray_actor_options={'num_cpus': 0.1, 'resources': {'node_c': 0.01}})\n"
-                "class Probe:\n    def __call__(self, req): return 'ok'\n"
-                "serve.run(Probe.bind(), name='ft-probe', route_prefix='/ft-probe')\n"
-                "emit([ray.get(where.remote(), timeout=60), serve.status().applications['ft-probe'].status])",
-                timeout=180)
-            after = sum(t > back for t, _, _ in results)
+            with Load(f"127.0.0.1:{cfg['cluster']['grpc_port']}", PROMPTS, MAX_NEW, seconds=300) as load:
+                poll(lambda: len(load.results) >= 4, "4 completions before the GCS stops", 60)
+                os.kill(gcs.pid, signal.SIGKILL)  # a crash (the head runs without --block, which would stop it all)
+                gcs.wait(30)
+                down = time.monotonic()
+                # down for as long as 100 answers take (seconds; a head pod restart takes longer, and raylets
+                # wait 60 s for their GCS): the proxy and the unit need no GCS to serve
+                poll(lambda: len(load.after(down)) >= 100, "answers while the GCS is down", 60)
+                assert not _accepts(gcs_port)                               # still down while they came
+                during = len(load.after(down))
+                restarted = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL, start_new_session=True)
+                back = time.monotonic()
+                poll(lambda: _accepts(gcs_port), "the GCS to listen again", 60)
+                mn.add_worker("node_c")                                     # scales: a new node joins
+                new_app = mn.query(NEW_APP, timeout=180)
+                after = len(load.after(back))
         finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
             if restarted is not None:
                 restarted.kill()                 # its SIGTERM shutdown hangs flushing events (Ray 2.60)
                 restarted.wait(30)
-    print(f"GCS restart: {during} answers in the {back - down:.1f}s it was down, {after} after; {len(results)} requests, "
-          f"{len(failures)} failures; new node and application: {new_app}")
-    assert not failures, failures[:5]
-    assert all(toks == reference[p] for _, p, toks in results)
+    print(f"GCS restart: {during} answers in the {back - down:.1f}s it was down, {after} after; "
+          f"{len(load.results)} requests, {len(load.failures)} failures; new node and application: {new_app}")
+    assert not load.failures, load.failures[:5]
+    assert all(toks == reference[p] for _, p, toks, _ in load.results)
     assert new_app[0] == mn.workers["node_c"].node_ip and new_app[1] == "RUNNING"
+
+
+# a task on the new node and a new Serve application on it, through the restarted GCS
+NEW_APP = """from ray import serve
+@ray.remote(num_cpus=0.1, resources={'node_c': 0.01})
+def where(): return ray.util.get_node_ip_address()
+@serve.deployment(ray_actor_options={'num_cpus': 0.1, 'resources': {'node_c': 0.01}})
+class Probe:
+    def __call__(self, req): return 'ok'
+serve.run(Probe.bind(), name='ft-probe', route_prefix='/ft-probe')
+emit([ray.get(where.remote(), timeout=60), serve.status().applications['ft-probe'].status])
+"""

@@ -7,7 +7,6 @@ tests/serving/test_multinode.py``.  Traffic goes to 127.0.0.x only; every proces
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
 from cluster.serving.client import SpecServeClient
+from tests.support.load import Load
 from tests.support.multinode import MultiNode
 from tests.support.polling import poll
 
@@ -108,44 +108,20 @@ def test_drafter_node_loss_under_load(cluster, reference):
     """4 clients, bounded: node_b (the drafters) is killed, requests finish exactly on the target alone; a new
     node offering node_b's resource brings the drafters back and speculation resumes."""
     mn, cfg, _ = cluster
-    addr = f"127.0.0.1:{cfg['cluster']['grpc_port']}"
-    results, errors, stop = [], [], threading.Event()
-    give_up = time.monotonic() + 240
-
-    def client_loop(i: int) -> None:
-        with SpecServeClient(addr, timeout=60) as c:
-            for n in range(1000):                      # bounded: count, time, and the stop event
-                if stop.is_set() or time.monotonic() > give_up:
-                    return
-                p = PROMPTS[(i + n) % len(PROMPTS)]
-                try:
-                    r = c.generate(p, max_new_tokens=MAX_NEW, temperature=0.0, strategy="speculative")
-                    results.append((time.monotonic(), p, list(r.token_ids), r.stats.drafted_tokens))
-                except Exception as e:                 # noqa: BLE001 - counted, the test fails on any
-                    errors.append(repr(e))
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        poll(lambda: len(results) >= 4, "4 completions before the kill", 60)
+    with Load(f"127.0.0.1:{cfg['cluster']['grpc_port']}", PROMPTS, MAX_NEW) as load:
+        poll(lambda: len(load.results) >= 4, "4 completions before the kill", 60)
         killed = time.monotonic()
         mn.kill_node("node_b")
-        poll(lambda: sum(t > killed and d == 0 for t, _, _, d in results) >= 4 or errors,
+        poll(lambda: len(load.after(killed, drafted=False)) >= 4 or load.failures,
              "completions on the target alone after the kill", 60)
-        assert not errors, errors[:5]
-        recovered = min(t for t, _, _, d in results if t > killed and d == 0) - killed
+        recovered = min(load.after(killed, drafted=False), default=killed) - killed
         back = time.monotonic()
         mn.add_worker("node_b2", resource="node_b")
-        resumed = poll(lambda: next((t for t, _, _, d in results if t > back and d > 0), None),
+        resumed = poll(lambda: min(load.after(back, drafted=True), default=None),
                        "speculation after node_b2 joined", 90)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors[:5]
-    assert all(toks == reference[p] for _, p, toks, _ in results)
-    print(f"drafter node loss: {len(results)} requests, 0 errors; first target-only completion "
+    assert not load.failures, load.failures[:5]
+    assert all(toks == reference[p] for _, p, toks, _ in load.results)
+    print(f"drafter node loss: {len(load.results)} requests, 0 failures; first target-only completion "
           f"{recovered:.1f}s after the kill; speculation resumed {resumed - back:.1f}s after the new node started")
     assert resumed - back < 30
 
@@ -154,51 +130,20 @@ def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
     """Last (it kills node_a): the node with the coordinator and its target dies under 4 clients; the clients
     see UNAVAILABLE only (retryable), within seconds; once a node offers node_a again Serve rebuilds the unit
     and the same greedy outputs come back."""
-    import grpc
-
-    from protos import specserve_pb2_grpc as pbg
     mn, cfg, _ = cluster
-    addr = f"127.0.0.1:{cfg['cluster']['grpc_port']}"
-    results, failures, stop = [], [], threading.Event()
-    give_up = time.monotonic() + 240
-
-    def client_loop(i: int) -> None:
-        # a raw channel: the server's own answer (SpecServeClient retries UNAVAILABLE before the first token)
-        with grpc.insecure_channel(addr) as ch:
-            stub = pbg.SpecServeStub(ch)
-            for n in range(1000):                      # bounded: count, time, and the stop event
-                if stop.is_set() or time.monotonic() > give_up:
-                    return
-                p = PROMPTS[(i + n) % len(PROMPTS)]
-                try:
-                    r = stub.Generate(SpecServeClient.request(p, max_new_tokens=MAX_NEW, temperature=0.0,
-                                                              strategy="speculative"),
-                                      metadata=(("application", "specserve"),), timeout=30)
-                    results.append((time.monotonic(), p, list(r.token_ids)))
-                except grpc.RpcError as e:
-                    failures.append((time.monotonic(), e.code().name))
-                    time.sleep(0.2)                    # a client's back-off before retrying (bounded traffic)
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        poll(lambda: len(results) >= 4, "4 completions before the kill", 60)
+    with Load(f"127.0.0.1:{cfg['cluster']['grpc_port']}", PROMPTS, MAX_NEW) as load:
+        poll(lambda: len(load.results) >= 4, "4 completions before the kill", 60)
         killed = time.monotonic()
         mn.kill_node("node_a")
-        poll(lambda: failures, "a failure after the target's node died", 30)
-        first_failure = failures[0][0] - killed
+        poll(lambda: load.failures, "a failure after the target's node died", 30)
+        first_failure = load.failures[0][0] - killed
         back = time.monotonic()
         mn.add_worker("node_a2", resource="node_a")
-        served = poll(lambda: next((t for t, _, _ in results if t > back), None), "serving again", 180)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-    codes = sorted({c for _, c in failures})
-    print(f"target node loss: {len(failures)} failures {codes}, the first {first_failure:.2f}s after the kill; "
-          f"serving again {served - back:.1f}s after the new node started; {len(results)} completions")
+        served = poll(lambda: min(load.after(back), default=None), "serving again", 180)
+    codes = sorted({c for _, c in load.failures})
+    print(f"target node loss: {len(load.failures)} failures {codes}, the first {first_failure:.2f}s after the kill; "
+          f"serving again {served - back:.1f}s after the new node started; {len(load.results)} completions")
     assert codes == ["UNAVAILABLE"], codes
     # measured 1.2-1.5 s: the proxy learns the replica died when Ray declares its node dead (issue goal: 1 s)
     assert first_failure <= 3.0
-    assert all(toks == reference[p] for _, p, toks in results)
+    assert all(toks == reference[p] for _, p, toks, _ in load.results)
