@@ -89,7 +89,7 @@ class Coordinator:
             if self.engine.health.down:
                 self.engine.health.refresh()
                 self._notify()
-            if self.metrics is not None:         # specserve_model_up per model (never raises)
+            if self.metrics is not None:         # the gauges, every round (never raises)
                 self.metrics.set_models_up({n: n not in self.engine.health.down for n in self.entries})
             self._stop.wait(period_s)
 

@@ -156,7 +156,6 @@ class Metrics:
                               "down (its requests go on without it; a down target fails them)",
                               tag_keys=("model_name", "model"))
         self._load: tuple[int, int, float] | None = None
-        self._up: dict[str, bool] = {}
 
     def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None,
                error: BaseException | None = None, timeline: Timeline | None = None) -> None:
@@ -171,9 +170,10 @@ class Metrics:
         except Exception as e:             # noqa: BLE001 - metrics never fail a request
             log.warning("metrics not recorded: %s", shown(e, 200))
 
-    def set_load(self, running: int, waiting: int, kv_usage: float = 0.0) -> None:
-        """The unit's running and waiting request counts and KV usage (after each engine step).  Never raises."""
-        if self._load == (running, waiting, kv_usage):
+    def set_load(self, running: int, waiting: int, kv_usage: float = 0.0, *, refresh: bool = False) -> None:
+        """The unit's running and waiting request counts and KV usage (after each engine step; ``refresh``:
+        set again even if unchanged).  Never raises."""
+        if self._load == (running, waiting, kv_usage) and not refresh:
             return
         try:
             tags = {"model_name": self.model_name}
@@ -185,15 +185,16 @@ class Metrics:
             log.warning("load not recorded: %s", shown(e, 200))
 
     def set_models_up(self, up: dict[str, bool]) -> None:
-        """Each model of the unit: answering (True) or marked down (after each watchdog round).  Never raises."""
-        if up == self._up:
-            return
+        """Each model of the unit: answering (True) or marked down, and the last load again (after each
+        watchdog round).  Set every round, changed or not: Ray's metrics agent evicts a gauge series that was
+        not set within two export intervals (``ray/_private/telemetry/open_telemetry_metric_recorder.py``,
+        gauge TTL), so a gauge set only on change vanished from the scrape of an idle replica.  Never raises."""
         try:
             for model, ok in up.items():
                 self.model_up.set(1.0 if ok else 0.0, {"model_name": self.model_name, "model": model})
-            self._up = dict(up)
         except Exception as e:             # noqa: BLE001
             log.warning("model health not recorded: %s", shown(e, 200))
+        self.set_load(*(self._load or (0, 0, 0.0)), refresh=True)
 
     def _record(self, strategy: str, outcome: str, result, e2e_s: float | None, timeline: Timeline | None) -> None:
         tags = {"model_name": self.model_name, "strategy": strategy}

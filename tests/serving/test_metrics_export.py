@@ -111,16 +111,25 @@ def test_scrape_has_every_metric_with_labels_and_the_dashboard_matches(served):
     port = ray._private.worker.global_worker.node.metrics_export_port
     wanted = {n + ("_bucket" if kind == "histogram" else "") for n, kind in EXPORTED.items()}
 
+    missing: list[str] = []
+
     def exported():
         s = _scrape(port)
-        ok = all(any(x.get("model_name") == model for x in s.get(n, ())) for n in wanted) and \
-            _total(s, "ray_specserve_requests_total", outcome="invalid") >= 2 and \
-            _total(s, "ray_specserve_requests_total", outcome="not_found") >= 1 and \
-            _total(s, "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total", strategy="speculative") > 0 and \
-            _total(s, "ray_specserve_cascade_deferral_checks_total", strategy="token_cascade") > 0 and \
-            _total(s, "ray_specserve_cascade_deferral_checks_total", strategy="spec_cascade") > 0
-        return s if ok else None
-    samples = poll(exported, "Ray's exporter to show every metric and the requests above", timeout=180)
+        missing[:] = [n for n in sorted(wanted) if not any(x.get("model_name") == model for x in s.get(n, ()))]
+        missing.extend(what for what, ok in (
+            ("2 invalid", _total(s, "ray_specserve_requests_total", outcome="invalid") >= 2),
+            ("1 not_found", _total(s, "ray_specserve_requests_total", outcome="not_found") >= 1),
+            ("accepted per position", _total(s, "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total",
+                                             strategy="speculative") > 0),
+            ("token_cascade checks", _total(s, "ray_specserve_cascade_deferral_checks_total",
+                                            strategy="token_cascade") > 0),
+            ("spec_cascade checks", _total(s, "ray_specserve_cascade_deferral_checks_total",
+                                           strategy="spec_cascade") > 0)) if not ok)
+        return None if missing else s
+    try:
+        samples = poll(exported, "Ray's exporter to show every metric and the requests above", timeout=180)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still missing: {missing}") from None
 
     for name in wanted:                                  # Serve's metrics API adds the replica's labels
         assert any(x.get("model_name") == model and x.get("deployment") == "SpecServe" and x.get("replica")
