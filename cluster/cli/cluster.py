@@ -6,16 +6,13 @@ import os
 import sys
 import time
 
-import yaml
 
 from cluster.cli.common import load_built_config
 from cluster.config.layout import check_host
-from cluster.config.schema import load_config
 from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.app import start_serve
 from cluster.serving.bind_hook import HOOK, hook_env
 from cluster.serving.client import SpecServeClient, main_client
-from cluster.serving.deploy import serve_config
 from cluster.serving.ray_node import load_head, save_head, start_node, token_file, use_token
 
 
@@ -77,10 +74,6 @@ def run_cluster_command(args) -> int:
         return cmd_up(args)
     if args.command == "down":
         return cmd_down(args)
-    if args.command == "serve-config":
-        cfg = load_config(args.config)
-        print(yaml.safe_dump(serve_config(cfg, args.path or args.config), sort_keys=False), end="")
-        return 0
     for kv in args.option:
         if "=" not in kv:
             raise ParamError("option", "NAME=VALUE", kv)
