@@ -44,9 +44,9 @@ class SpecServeClient:
 
     def __init__(self, address: str = "127.0.0.1:9000", *, app: str | None = "specserve",
                  timeout: float | None = DEFAULT_TIMEOUT_S, api_key: str | None = None, tls: bool = False,
-                 ca: str | None = None):
+                 ca: str | None = None, retry: bool = True):
         self.address, self.timeout = address, timeout
-        self.options = channel_options()          # UNAVAILABLE retried before the first token (client_policy)
+        self.options = channel_options(retry)     # UNAVAILABLE retried while uncommitted (client_policy)
         if ca is not None and not tls:
             raise ParamError("ca", "only with tls=True (--tls)", ca)
         self.channel = grpc.secure_channel(address, _credentials(ca), options=self.options) if tls else \

@@ -36,8 +36,10 @@ def service_config() -> str:
         "retryPolicy": retry}]})
 
 
-def channel_options() -> list[tuple[str, object]]:
-    """Options for ``grpc.insecure_channel`` / ``grpc.secure_channel``."""
+def channel_options(retry: bool = True) -> list[tuple[str, object]]:
+    """Options for ``grpc.insecure_channel`` / ``grpc.secure_channel`` (``retry=False``: no retries at all)."""
+    if not retry:
+        return [("grpc.enable_retries", 0)]
     return [("grpc.enable_retries", 1), ("grpc.service_config", service_config())]
 
 
