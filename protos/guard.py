@@ -74,6 +74,7 @@ _PUMPED = "_specserve_pumped"
 # proxy itself: the replica's actor died or restarted (Ray's message names its pid and node address).
 INTERNAL_DETAILS = "internal error (details in the server log)"
 REPLICA_LOST = "the serving replica failed or restarted; retry the request"
+PUSHBACK = "grpc-retry-pushback-ms"
 
 
 class _LiveContext:
@@ -101,6 +102,9 @@ class _LiveContext:
             return
         if self._ctx.code() == grpc.StatusCode.INTERNAL and details != INTERNAL_DETAILS:
             self._ctx.set_code(grpc.StatusCode.UNAVAILABLE)
+            # the request had reached its replica (it may have generated already): tell a retrying client
+            # not to re-send it (gRFC A6: a negative grpc-retry-pushback-ms stops the channel's retries)
+            self._ctx.set_trailing_metadata(((PUSHBACK, "-1"),))
             details = REPLICA_LOST
         self._ctx.set_details(details)
 

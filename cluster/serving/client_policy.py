@@ -7,7 +7,10 @@ not there yet -- up to :data:`MAX_ATTEMPTS` times with exponential backoff, and 
 *committed*.  gRPC commits a call once the client has received the server's response headers or a message, so
 a stream that delivered a token is never re-sent (its tokens would repeat), and a request refused for a reason
 that retrying cannot fix (``INVALID_ARGUMENT``, ``RESOURCE_EXHAUSTED``, ``DEADLINE_EXCEEDED``...) fails at
-once.  The retries stay inside the call's one deadline.
+once.  A unary call stays uncommitted until it ends, so the server says when it must not be re-sent: a request
+whose replica died after it arrived (it may have generated already) is answered ``UNAVAILABLE`` with a negative
+``grpc-retry-pushback-ms`` (``protos/guard.py``), which stops the retries.  The retries stay inside the call's
+one deadline.
 
 Readiness: instead of polling ``Check``, :func:`wait_serving` waits for the channel to connect
 (``grpc.channel_ready_future``) and then follows ``Watch``, which the server answers with the status now and

@@ -18,12 +18,14 @@ from protos import specserve_pb2_grpc as pbg
 class FlakyServer(pbg.SpecServeServicer):
     """Fails the first ``fail`` calls of each method with ``code`` (a stream after ``chunks_first`` chunks)."""
 
-    def __init__(self, fail: int, code=grpc.StatusCode.UNAVAILABLE, chunks_first: int = 0):
+    def __init__(self, fail: int, code=grpc.StatusCode.UNAVAILABLE, chunks_first: int = 0, trailers=()):
         self.fail, self.code, self.chunks_first, self.calls = fail, code, chunks_first, []
+        self.trailers = trailers
 
     def Generate(self, request, context):
         self.calls.append("Generate")
         if len(self.calls) <= self.fail:
+            context.set_trailing_metadata(self.trailers)
             context.abort(self.code, "unit restarting")
         return pb.GenerateResponse(text="ok")
 
@@ -134,3 +136,13 @@ def test_wait_serving_times_out_naming_the_last_status(serve):
     nothing = grpc.insecure_channel("127.0.0.1:1", options=channel_options())     # nothing listens there
     with pytest.raises(TimeoutError, match="not connected"):
         wait_serving(nothing, (), timeout=0.5)
+
+
+def test_a_replica_lost_answer_is_never_resent(serve):
+    """What the proxy guard answers when a request's replica died (UNAVAILABLE with a negative
+    grpc-retry-pushback-ms, protos/guard.py): even a unary call, uncommitted until it ends, is not re-sent."""
+    from protos.guard import PUSHBACK
+    srv = FlakyServer(fail=3, trailers=((PUSHBACK, "-1"),))
+    with pytest.raises(grpc.RpcError) as e:
+        pbg.SpecServeStub(serve(srv)).Generate(pb.GenerateRequest(prompt="x"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and srv.calls == ["Generate"]

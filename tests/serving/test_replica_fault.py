@@ -42,9 +42,9 @@ def victim(served):
     cfg, _ = served
     vcfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, app_name=APP))
     serve.run(build_app(vcfg), name=APP, route_prefix=f"/{APP}")
-    # no client retries: this checks what the server answers when its replica dies (the retrying client may
-    # re-send the unary call, which is uncommitted until it ends, and then succeed once Serve restarted it)
-    client = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app=APP, timeout=120, retry=False)
+    # the default, retrying client: a request that reached the lost replica is answered UNAVAILABLE with a
+    # negative retry pushback, so not even the unary call (uncommitted until it ends) is re-sent
+    client = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app=APP, timeout=120)
     client.wait_ready(300)
     yield vcfg, client
     client.close()
