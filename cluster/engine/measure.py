@@ -25,33 +25,42 @@ ROWS = (1, 2, 4, 8, 16, 32)        # batch sizes measured (capped by the engine'
 NEW_TOKENS = (1, 2, 3, 5, 9)       # tokens fed per row by the target's forward: k + 1 for k = 0, 1, 2, 4, 8
 
 
+def _median_cells(handle, kind: type, rows, variants, make_call, context: int, iters: int,
+                  prefix: str) -> dict[tuple[int, object], float]:
+    """Median wall seconds of one batched ``kind`` call through ``handle`` per (row count r, variant v):
+    r requests (ids ``<prefix><i>``) with ``context`` random cached tokens each get ``make_call(v)``; one
+    warm-up call per cell, every request rolled back to its context after each call and released at the end."""
+    gen = random.Random(0)
+    result = {}
+    for r in rows:
+        rids = [f"{prefix}{i}" for i in range(r)]
+        prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
+                         for i, rid in enumerate(rids)])
+        try:
+            for v in variants:
+                calls = [(rid, make_call(v)) for rid in rids]
+                times = []
+                for it in range(iters + 1):                  # one warm-up
+                    t0 = time.perf_counter()
+                    run_group(handle, kind, calls)           # one batched call (or per request)
+                    if it:
+                        times.append(time.perf_counter() - t0)
+                    for rid in rids:
+                        handle.rollback(rid, context)
+                result[(r, v)] = statistics.median(times)
+        finally:
+            for rid in rids:
+                handle.release(rid)
+    return result
+
+
 def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
                       iters: int = 10) -> dict[tuple[int, int], float]:
     """Median wall seconds of one batched score forward through ``handle``: ``rows`` requests with ``context``
     cached tokens, each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1).
     One warm-up call per cell; the measuring requests (ids ``__grid<i>``) are released at the end."""
-    gen = random.Random(0)
-    result = {}
-    for r in rows:
-        rids = [f"__grid{i}" for i in range(r)]
-        prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
-                         for i, rid in enumerate(rids)])
-        try:
-            for t in new_tokens:
-                calls = [(rid, Score(handle.name, (1,) * (t - 1))) for rid in rids]
-                times = []
-                for it in range(iters + 1):                  # one warm-up
-                    t0 = time.perf_counter()
-                    run_group(handle, Score, calls)          # one batched forward (or per request)
-                    if it:
-                        times.append(time.perf_counter() - t0)
-                    for rid in rids:
-                        handle.rollback(rid, context)
-                result[(r, t)] = statistics.median(times)
-        finally:
-            for rid in rids:
-                handle.release(rid)
-    return result
+    return _median_cells(handle, Score, rows, new_tokens, lambda t: Score(handle.name, (1,) * (t - 1)),
+                         context, iters, "__grid")
 
 
 def draft_cost_grids(side, drafter: str, rows=(1, 4, 8, 16, 32), lengths=(1, 3), context: int = 64,
@@ -61,31 +70,13 @@ def draft_cost_grids(side, drafter: str, rows=(1, 4, 8, 16, 32), lengths=(1, 3),
     requests, at the two ``lengths`` k1 < k2, split into a per-token part f(r) = (D(r, k2) - D(r, k1)) /
     (k2 - k1) (one drafter forward) and a per-call part D(r, k1) - k1 f(r) (the round trip, packing, the
     program), both >= 0.  Returns ``({(r, 1): f(r)}, {(r, 1): call(r)})``; request ids ``__draft<i>``."""
-    gen = random.Random(1)
     spec, (k1, k2) = DraftSpec("propose", (drafter,)), lengths
+    d = _median_cells(side, Draft, rows, (k1, k2), lambda k: Draft(DRAFTS, spec, k, k + 1), context, iters,
+                      "__draft")
     per_token, per_call = {}, {}
     for r in rows:
-        rids = [f"__draft{i}" for i in range(r)]
-        prefill(side, [(rid, [gen.randrange(side.vocab_size) for _ in range(context)], SamplingParams(), i)
-                       for i, rid in enumerate(rids)])
-        try:
-            median = {}
-            for k in (k1, k2):
-                calls = [(rid, Draft(DRAFTS, spec, k, k + 1)) for rid in rids]
-                times = []
-                for it in range(iters + 1):                  # one warm-up
-                    t0 = time.perf_counter()
-                    run_group(side, Draft, calls)
-                    if it:
-                        times.append(time.perf_counter() - t0)
-                    for rid in rids:
-                        side.rollback(rid, context)
-                median[k] = statistics.median(times)
-            f = max(0.0, (median[k2] - median[k1]) / (k2 - k1))
-            per_token[(r, 1)], per_call[(r, 1)] = f, max(0.0, median[k1] - k1 * f)
-        finally:
-            for rid in rids:
-                side.release(rid)
+        f = max(0.0, (d[(r, k2)] - d[(r, k1)]) / (k2 - k1))
+        per_token[(r, 1)], per_call[(r, 1)] = f, max(0.0, d[(r, k1)] - k1 * f)
     return per_token, per_call
 
 
