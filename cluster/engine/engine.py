@@ -4,7 +4,7 @@ Three roles, as in nano-vllm: admission (:mod:`cluster.engine.validate`: a reque
 :class:`PreparedRequest`), the :class:`Scheduler` (who runs; no torch), and the model handles (who own
 the device).  :meth:`Engine.step` glues them: requests join between steps (their prompts prefilled in
 one batched call per model), every running request's strategy step advances together -- their model
-calls grouped per model into one batched call per round (:mod:`cluster.core.calls`) -- and each
+calls grouped per model into one batched call per round (:mod:`cluster.engine.rounds`) -- and each
 request's tokens go through its stop rules and out as a :class:`StreamChunk`.  A batch of one is just a
 case of it; in-process (CLI, tests, benchmarks) and the cluster (over remote handles) run this same loop.
 """
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from cluster.core.calls import advance, group_calls, prefill, prefill_scored, run_group
+from cluster.core.calls import prefill, prefill_scored
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
@@ -24,6 +24,7 @@ from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
 from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
+from cluster.engine.rounds import run_rounds
 from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, Sequence
 from cluster.engine.stop import StopDecoder
@@ -163,7 +164,7 @@ class Engine(CallerDriven):
         if self.planner is not None:
             self.planner.plan(running)
         t0 = time.perf_counter()
-        outs = self._run_steps(running)
+        outs = run_rounds(running, self.models, self.target, self._step_of, self.model_down)
         if self.planner is not None and running:
             self.planner.observe(time.perf_counter() - t0)
         for seq, out in outs.items():
@@ -241,37 +242,6 @@ class Engine(CallerDriven):
         for s in self.live():
             if name in s.req.strategy.roles():
                 s.stale.add(name)
-
-    def _run_steps(self, running: list[Sequence]) -> dict[Sequence, Any]:
-        """Advance every request's strategy step to completion, batching their model calls per round."""
-        gens, pending, out = {}, {}, {}
-        for seq in running:
-            if seq.status == FINISHED:
-                continue
-            gens[seq] = self._step_of(seq)
-            advance(seq, gens[seq], None, pending, out)
-        while pending:
-            for (model, kind), seqs in group_calls(pending, self.target).items():
-                try:
-                    results = run_group(self.models[model], kind, [(s.rid, pending[s]) for s in seqs])
-                except ModelUnavailableError as e:
-                    self.model_down(model, e)            # once for the group; the target's requests fail below
-                    results = [e] * len(seqs)
-                except Exception as e:                   # noqa: BLE001 - fails this group's requests only
-                    results = [e] * len(seqs)
-                for seq, result in zip(seqs, results):
-                    del pending[seq]
-                    if isinstance(result, ModelUnavailableError) and model != self.target:
-                        gens[seq].close()                # a drafter went away: redo this step on the target
-                        self.models[self.target].rollback(seq.rid, len(seq.ctx.tokens))
-                        gens[seq] = self._step_of(seq)
-                        advance(seq, gens[seq], None, pending, out)
-                    elif isinstance(result, BaseException):
-                        gens[seq].close()
-                        out[seq] = result
-                    else:
-                        advance(seq, gens[seq], result, pending, out)
-        return out
 
     def _step_of(self, seq: Sequence):
         """The request's strategy step, or a target-only step while one of its models is down or stale."""

@@ -1,0 +1,102 @@
+"""The closed-loop state of the load-aware planner (:mod:`cluster.engine.planner`): per (drafter, batch-size
+band) one arm per draft length k, and the goodput estimates it chooses by.
+
+**Arms and bands.**  Bands of the running batch B: 1, 2-3, 4-7, 8-15, 16-31, 32+ (:data:`BANDS`) learn
+independently: what pays at one row says nothing about 32 rows.  Within a band, arm k keeps its recent
+samples of committed tokens per row and step, and of real / modelled step seconds; both are comparable
+across batch sizes and acceptance estimates within a band, and the second carries what the forward costs
+miss (drafter catch-up, the engine's own work, round trips).
+
+**Estimate.**  Goodput of arm k is ``B_g * T_k / (S_k * R_k)``: S_k the modelled step seconds, T_k and R_k
+the medians of the arm's last samples, topped up to ``prior_samples`` with pseudo-samples -- E_k (the
+acceptance model's tokens per step) for T; for R 1 when k = 0 or the band has measured no k > 0, else
+interpolated between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So the
+cost model decides until an arm has samples, and two samples decide.
+
+**Choice.**  Among k = 0 and the measured k > 0 (every k while the band has measured none); the best k > 0
+only if it beats k = 0 by ``margin``; ties go to the smaller k.  Other draft lengths are reached by probes
+(:func:`neighbours`).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+BANDS = ("1", "2-3", "4-7", "8-15", "16-31", "32+")
+
+
+def band_of(batch: int) -> int:
+    """The index in :data:`BANDS` of a running batch of ``batch`` rows."""
+    return min(max(int(batch), 1).bit_length(), len(BANDS)) - 1
+
+
+@dataclass
+class Band:
+    """Closed-loop state of one (drafter, batch-size band)."""
+
+    tokens: dict = field(default_factory=dict)   # k -> deque of recent committed tokens per row and step
+    times: dict = field(default_factory=dict)    # k -> deque of recent real / modelled step seconds
+    samples: Counter = field(default_factory=Counter)   # k -> samples ever taken
+    plans: int = 0               # plans made in this band
+    interval: int = 0            # plans between probes
+    next_probe: int = 0          # plan number of the next probe
+    turn: int = 0                # which neighbour the next probe tries (0 after a change of best)
+    cycle: int = 1               # neighbours of the best at the last probe
+    again: int | None = None     # the k the next probe tries (None: the next neighbour in turn)
+    best: int = 0
+    probes: int = 0
+
+
+@dataclass
+class Pending:
+    """One group's plan, waiting for its step's wall time and committed tokens."""
+
+    key: tuple[str, int]
+    k: int
+    best: int
+    expected: list[float]        # modelled tokens per row and step, per k (the acceptance model)
+    modelled: list[float]        # modelled step seconds, per k (the forward costs)
+    rows: list[tuple[object, int]]   # (sequence, generated tokens at plan time)
+    probe_at: int | None = None  # the band's plan number, for a probe
+    seconds: float | None = None
+
+
+def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
+    """Goodput of draft length k at this step (committed tokens per second), as the module docstring says."""
+    need = max(prior_samples, 1)
+    tok, tim = list(band.tokens.get(k, ())), list(band.times.get(k, ()))
+    if len(tok) < need:
+        tok += [p.expected[k]] * (need - len(tok))
+    if len(tim) < need:
+        tim += [borrow(band, k) if k > 0 else 1.0] * (need - len(tim))
+    return len(p.rows) * statistics.median(tok) / max(p.modelled[k] * statistics.median(tim), 1e-12)
+
+
+def borrow(band: Band, k: int) -> float:
+    """The time ratio an unmeasured k > 0 borrows: linear between the nearest measured k > 0 below and above
+    it (the nearer one's beyond them), 1 (the cost model) when no k > 0 is measured."""
+    near = {j: statistics.median(r) for j, r in band.times.items() if j > 0 and j != k and r}
+    lo, hi = max((j for j in near if j < k), default=None), min((j for j in near if j > k), default=None)
+    if lo is not None and hi is not None:
+        return near[lo] + (near[hi] - near[lo]) * (k - lo) / (hi - lo)
+    return near[lo] if lo is not None else near[hi] if hi is not None else 1.0
+
+
+def choose(band: Band, p: Pending, prior_samples: int, margin: float) -> int:
+    """The best k by estimate among k = 0 and the measured k > 0 (every k while no k > 0 is measured)."""
+    est = [estimate(band, p, k, prior_samples) for k in range(len(p.modelled))]
+    measured = [k for k in range(1, len(est)) if band.times.get(k)]
+    arms = measured if measured else range(1, len(est))
+    if not arms:
+        return 0
+    best = max(arms, key=lambda k: (est[k], -k))                   # ties: the smaller k
+    return best if est[best] > est[0] * (1.0 + margin) * (1.0 + 1e-9) else 0
+
+
+def neighbours(best: int, k_max: int) -> list[int]:
+    """Probe order around the best: one up, one down, plain decoding, and the longest draft -- goodput need
+    not be concave in k (a draft-side round trip is paid once per step, whatever k: k = 1 can lose to k = 0
+    while k = 4 wins), so a walk over neighbours alone can stall at k = 0."""
+    out = [k for k in (best + 1, best - 1, 0, k_max) if 0 <= k <= k_max and k != best]
+    return list(dict.fromkeys(out)) or [best]
