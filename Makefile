@@ -9,9 +9,13 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup demo serve zoo bench test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml package-lock.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev,loadtest,bench,proto]'    # the serving set + every extra (pyproject.toml)
+	@# the upstream Gateway API / cert-manager / Prometheus Operator schemas tests/k8s checks k8s/ against
+	@# (package.json, pinned by package-lock.json) into node_modules/
+	@if command -v npm >/dev/null 2>&1; then npm ci --no-audit --no-fund --ignore-scripts --loglevel=error; \
+	else echo "make: no npm: tests/k8s skips the upstream schema check (apt-get install nodejs npm)" >&2; fi
 	touch $(STAMP)
 
 setup: $(STAMP)

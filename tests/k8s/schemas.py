@@ -5,7 +5,13 @@ and PrometheusRule (monitoring.coreos.com/v1, from v0.93.0).  Each lists the fie
 manifests may use, with their types, enums and patterns, and rejects any other field (what strict field
 validation does); metadata is checked as ObjectMeta by the Kubernetes schemas.
 
-With ``SPECSERVE_CRD_DIR`` pointing at a directory holding the upstream CRD files (any ``*.yaml`` whose
+The manifests of these kinds are also checked, by default, against upstream schemas (tests/k8s/test_gateway.py):
+those of the npm packages pinned in package.json, which ``make setup`` installs: ``@kubernetes-models/gateway-api``
+2.0.0 (generated from the Go API types of Gateway API v1.5.1 with their validation markers),
+``@kubernetes-models/cert-manager`` 5.0.1 (from the openAPIV3Schema of cert-manager v1.20.2's CRDs) and
+``@kubernetes-models/prometheus-operator`` 5.0.1 (from the openAPIV3Schema of the Prometheus Operator v0.90.1
+CRDs); values by their compiled validators, field names by their TypeScript declarations. With
+``SPECSERVE_CRD_DIR`` pointing at a directory holding upstream CRD files (any ``*.yaml`` whose
 ``spec.names.kind`` is one of these kinds), tests/k8s/test_gateway.py also validates against those.
 """
 from __future__ import annotations

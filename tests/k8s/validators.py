@@ -10,7 +10,14 @@
 * Kubernetes core objects (and the pod templates, Service and metadata inside a RayService): the
   Kubernetes JSON schemas shipped by the ``kubernetes-validate`` package, strict variant.
 * Gateway API, cert-manager and Prometheus Operator objects: strict schemas of the fields our manifests may
-  use (tests/k8s/schemas.py; their CRDs are not vendored), plus ObjectMeta from the Kubernetes schemas.
+  use (tests/k8s/schemas.py; their CRDs are not vendored), plus ObjectMeta from the Kubernetes schemas; and
+  (``upstream_errors``) the upstream schemas shipped by the npm packages pinned in package.json, which
+  ``make setup`` installs into node_modules/ (tests/k8s/upstream_validate.mjs, run by node):
+  ``@kubernetes-models/gateway-api`` 2.0.0 (generated from the Go API types of Gateway API v1.5.1, with their
+  validation markers), ``@kubernetes-models/cert-manager`` 5.0.1 (from the openAPIV3Schema of cert-manager
+  v1.20.2's CRDs) and ``@kubernetes-models/prometheus-operator`` 5.0.1 (from the Prometheus Operator v0.90.1
+  CRDs' openAPIV3Schema): their compiled validators for values, their TypeScript declarations for field names.
+  ``upstream_crd_validators`` checks against CRD files someone provides (``SPECSERVE_CRD_DIR``).
 * ``serveConfigV2``: Ray Serve's own pydantic models (``ServeDeploySchema``), plus a walk over the same
   models that rejects keys they do not declare (Ray's models ignore unknown keys silently).
 """
@@ -18,6 +25,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import shutil
+import subprocess
 import typing
 from pathlib import Path
 
@@ -194,6 +204,37 @@ def upstream_crd_validators(directory: Path) -> dict:
                     out[crd["spec"]["names"]["kind"]] = (f"{crd['spec']['group']}/{version['name']}",
                                                          _KubeValidator(schema))
     return out
+
+
+UPSTREAM_SCRIPT = Path(__file__).resolve().parent / "upstream_validate.mjs"
+
+
+class UpstreamUnavailable(Exception):
+    """node or the npm packages of package.json are not installed (``make setup`` installs them)."""
+
+
+def upstream_pins() -> dict:
+    """{npm package: exact version} as package.json pins them."""
+    return json.loads((ROOT / "package.json").read_text())["devDependencies"]
+
+
+def upstream_errors(docs: list[dict]) -> tuple[dict, list[list[str]]]:
+    """({npm package: installed version}, errors of each doc) against the upstream schemas of the pinned npm
+    packages, every doc in one node process (tests/k8s/upstream_validate.mjs). Each error names its path and
+    ends with the check that found it: ``[schema]`` (the compiled validator: types, enums, patterns, bounds,
+    required fields) or ``[declarations]`` (the TypeScript declarations: a field the schema does not have)."""
+    node = shutil.which("node")
+    if node is None:
+        raise UpstreamUnavailable("node is not installed (Debian: apt-get install nodejs npm; then make setup)")
+    missing = [name for name in upstream_pins() if not (ROOT / "node_modules" / name / "package.json").is_file()]
+    if missing:
+        raise UpstreamUnavailable(f"{', '.join(missing)} not in node_modules/ (make setup, or: npm ci)")
+    done = subprocess.run([node, str(UPSTREAM_SCRIPT)], input=json.dumps(docs), capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"{UPSTREAM_SCRIPT.name} failed ({done.returncode}): {done.stderr[-4000:]}")
+    out = json.loads(done.stdout)
+    return out["packages"], out["errors"]
 
 
 # -- dispatch -----------------------------------------------------------------------------------------------
