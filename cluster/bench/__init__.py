@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, load, main, served, verify
+from cluster.bench import cascades, cluster, cs, load, main, served, transport, verify
 
 SUITES = {
     "main": main.run,
@@ -14,4 +14,5 @@ SUITES = {
     "cs": cs.run,
     "load": load.run,
     "served": served.run,
+    "transport": transport.run,
 }

@@ -1,0 +1,101 @@
+"""``specserve bench --suite transport``: what a per-step call to another process costs through Ray, as a plain
+actor call (what :mod:`cluster.serving.remote` uses) and as a Ray Compiled Graph (``experimental_compile``,
+shared-memory channels; what vLLM's Ray executor uses between pipeline stages).
+
+Per transport and payload (32 B: a greedy draft block of 4; 64 KiB: one row of k = 4 float32 logits at
+V = 4,096): the round trip's median and p90 over ``--prompts`` x 100 calls to an actor that echoes, and the CPU
+each side burns -- per wall second while no call is in flight (idle), and per second the caller waits on a
+call that takes 20 ms (a drafting step) -- read from /proc for the actor and from the caller's own clock.
+
+This is the measurement behind the choice of plain actor calls (docs/cluster.md, "Where a served step goes"):
+a compiled graph answers ~20x faster, but both of its ends poll a full core while they wait, which a machine
+whose coordinator, draft actor, Serve proxy and clients share two cores cannot give.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+from cluster.bench.report import print_table, write_results
+from cluster.errors import check_int
+
+PAYLOADS = {"32 B": 32, "64 KiB": 64 << 10}
+WAIT_S = 0.02
+
+
+class Echo:
+    """The far side: returns its argument, after ``sleep_s`` (a stand-in for drafting)."""
+
+    def call(self, args):
+        payload, sleep_s = args
+        if sleep_s:
+            time.sleep(sleep_s)
+        return payload
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measure(send, pid: int, n: int) -> dict:
+    """Round trips of every payload, then idle and waiting CPU, through ``send(args) -> result``."""
+    out = {}
+    for label, size in PAYLOADS.items():
+        payload = b"x" * size
+        send((payload, 0.0))                                  # warm-up
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            send((payload, 0.0))
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        out[f"{label} p50 ms"] = statistics.median(times) * 1e3
+        out[f"{label} p90 ms"] = times[int(0.9 * (len(times) - 1))] * 1e3
+    a0, c0, w0 = _cpu_seconds(pid), time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    wall = time.perf_counter() - w0
+    out["idle: actor CPU s/s"] = (_cpu_seconds(pid) - a0) / wall
+    out["idle: caller CPU s/s"] = (time.process_time() - c0) / wall
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(10):
+        send((b"x", WAIT_S))
+    out["waiting: caller CPU s/s"] = (time.process_time() - c0) / (time.perf_counter() - w0)
+    return out
+
+
+def run(args, cfg) -> int:
+    import ray
+    from ray.dag import InputNode
+
+    n = check_int("prompts", args.prompts, 1, 256) * 100
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    rows = []
+    try:
+        actor = ray.remote(Echo).options(num_cpus=0, max_concurrency=2).remote()
+        pid = ray.get(actor.pid.remote())
+        rows.append({"transport": "actor call", **_measure(lambda a: ray.get(actor.call.remote(a)), pid, n)})
+        with InputNode() as inp:
+            dag = actor.call.bind(inp)
+        compiled = dag.experimental_compile()
+        try:
+            rows.append({"transport": "compiled graph",
+                         **_measure(lambda a: ray.get(compiled.execute(a)), pid, n)})
+        finally:
+            compiled.teardown()
+        ray.kill(actor)
+    finally:
+        if started:
+            ray.shutdown()
+    print_table(rows, f"per-step call to another process through Ray ({n} calls per payload)")
+    write_results(rows, Path(args.out or "bench_out"), "bench_transport")
+    return 0
