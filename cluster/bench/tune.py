@@ -19,7 +19,8 @@ import torch
 
 from cluster.bench.measure import measure_alphas, measure_costs
 from cluster.bench.report import print_table
-from cluster.core.cost_model import ForwardCost, best_k, ranked_cascades
+from cluster.core.cost_model import ranked_cascades
+from cluster.core.forward_cost import ForwardCost, best_k
 from cluster.core.sampling import SamplingParams, logits_to_probs
 from cluster.engine.request import GenerationRequest
 

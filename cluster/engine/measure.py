@@ -16,7 +16,7 @@ from functools import partial
 from typing import Mapping
 
 from cluster.core.calls import Draft, Score, prefill, run_group
-from cluster.core.cost_model import ForwardCost
+from cluster.core.forward_cost import ForwardCost
 from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.sampling import SamplingParams
 from cluster.engine.planner import Planner

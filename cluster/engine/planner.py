@@ -19,11 +19,11 @@ band per draft length k (an arm); bands learn independently.
 **Prior.**  For the group's B_g rows with acceptance estimates alpha_i the cost model gives, per k, the
 expected tokens per row and step ``E_k = mean_i (1 - alpha_i^(k+1)) / (1 - alpha_i)`` and the step seconds
 ``S_k = [k > 0] call(B_g) + k * drafter(B_g, 1) + target(B, k + 1)`` (call: one draft-side round trip, measured
-where the draft side is another process; :func:`cluster.core.cost_model.step_seconds`; forward
+where the draft side is another process; :func:`cluster.core.forward_cost.step_seconds`; forward
 costs from :class:`ForwardCost` tables measured through the engine's own handles, :mod:`cluster.engine.measure`;
 a drafter without a table -- the deterministic Max-Gram drafter -- drafts for free), so the prior goodput
 is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
-:func:`cluster.core.cost_model.plan_draft_length`).
+:func:`cluster.core.forward_cost.plan_draft_length`).
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time; the tokens the step committed are
 read from the growth of each row's ``ctx.stats.generated_tokens`` between one plan and the next (the engine
@@ -54,7 +54,8 @@ import logging
 import statistics
 from collections import Counter, deque
 
-from cluster.core.cost_model import ForwardCost, expected_tokens, step_seconds
+from cluster.core.cost_model import expected_tokens
+from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.drafting import DRAFTS
 from cluster.engine.acceptance import Acceptance
 from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, neighbours

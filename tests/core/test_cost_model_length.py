@@ -6,14 +6,12 @@ import pytest
 
 from cluster.core.cost_model import (
     CascadeModel,
-    ForwardCost,
-    best_k,
     ewif_cascade,
     expected_tokens,
-    plan_draft_length,
     predict_cascade,
     ranked_cascades,
 )
+from cluster.core.forward_cost import ForwardCost, best_k, plan_draft_length
 
 
 def _accept_prefix(rng, alphas):

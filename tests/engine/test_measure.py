@@ -3,7 +3,7 @@ handle protocol (batched or single-request forms), measured now or on first use,
 from types import SimpleNamespace
 
 from cluster.config.schema import load_config
-from cluster.core.cost_model import ForwardCost, step_seconds
+from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import build_planner, forward_cost_grid, measure_costs, planner_rows
