@@ -27,7 +27,8 @@ is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time; the tokens the step committed are
 read from the growth of each row's ``ctx.stats.generated_tokens`` between one plan and the next (the engine
-applies a step's tokens after ``observe``).  The arm that ran gets two samples: committed tokens per row, and
+applies a step's tokens after ``observe``), over the rows that ran the planned k in full (not those whose
+remaining budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
 real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
 and the second carries what the forward costs miss (drafter catch-up, the engine's own work, round trips).
 
@@ -111,8 +112,8 @@ class Planner:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
         pending, self._pending = self._pending, []
         for p in pending:
-            if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0:
-                continue                                 # never observed (the step failed): no sample
+            if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
+                continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
             if tokens <= 0:
                 continue
@@ -213,5 +214,9 @@ class Planner:
             probe_at = band.plans
             band.next_probe = band.plans + band.interval
         p.k, p.best, p.probe_at = k, best, probe_at
+        # a row whose remaining budget cuts the draft below k (its last steps) does not run arm k: its tokens
+        # would sample a shorter draft as this one (and its faster step with them); the step's time stays a
+        # sample while some row runs k in full
+        p.rows = [(s, n) for s, n in p.rows if getattr(s.ctx, "budget", None) is None or s.ctx.budget - 1 >= k]
         self._pending.append(p)
         return k

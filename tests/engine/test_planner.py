@@ -193,6 +193,30 @@ def test_closed_loop_bands_learn_independently():
     assert _drive(twin, [_seq(drafter="mag", k=4)], 60, seconds) == one
 
 
+def test_rows_whose_budget_cuts_the_draft_are_not_samples_of_the_planned_k():
+    """A request's last steps draft fewer than the planned k (the strategy caps k by its budget): they commit
+    one or two tokens, fast.  Counted as samples of k = 4 they would read as a cheap k that commits little;
+    they are left out, and a step where every row is capped gives no sample."""
+    planner = Planner({"t": FLAT}, "t", probe_every=0)
+    full, ending = _seq(drafter="mag", k=4), _seq(drafter="mag", k=4)
+    full.ctx.budget, ending.ctx.budget = 40, 2            # ending may draft at most 1 token this step
+    planner.plan([full, ending])
+    assert full.ctx.planned_k == ending.ctx.planned_k == 4
+    full.ctx.stats.generated_tokens += 5                  # k = 4 in full, all accepted
+    ending.ctx.stats.generated_tokens += 1                # capped: one token
+    planner.observe(0.010)
+    full.ctx.budget = 3                                   # now both are capped (2 and 1 drafts at most)
+    planner.plan([full, ending])
+    arm = planner.report()[("mag", "2-3")]["arms"][4]
+    assert arm[:2] == (1, 5.0)                            # one sample: 5 tokens per row (the full row only)
+    assert full.ctx.planned_k == 4
+    full.ctx.stats.generated_tokens += 3
+    ending.ctx.stats.generated_tokens += 1
+    planner.observe(0.002)
+    planner.plan([full, ending])                          # every row was capped: no sample
+    assert planner.report()[("mag", "2-3")]["arms"][4][0] == 1
+
+
 def test_planner_measures_on_first_use_and_retries_a_failed_measurement():
     calls = []
 
