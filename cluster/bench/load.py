@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from cluster.bench.report import Timed, print_table, save_concurrency_plot, write_results
+from cluster.bench.load_report import goal_lines, lossless_line, make_table, plot
+from cluster.bench.report import Timed, pct, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -92,7 +92,7 @@ class Level:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def tpot_p99(self) -> float:
-        return _pct([r.tpot for r in self.recs], 99)
+        return pct([r.tpot for r in self.recs], 99)
 
 
 @dataclass
@@ -267,104 +267,3 @@ def collect(args, cfg) -> Results:
 def run(args, cfg) -> int:
     collect(args, cfg)
     return 0
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else 0.0
-
-
-def make_table(measured, runtimes, rows, levels) -> list[dict]:
-    table = []
-    for rt in runtimes:
-        for name in rows:
-            base = measured.get((rt, name, 1))
-            for c in levels:
-                m = measured[(rt, name, c)]
-                ip = measured.get(("in-process", name, c)) if rt != "in-process" else None
-                table.append({
-                    "runtime": rt, "strategy": name, "concurrency": c, "requests": len(m.recs),
-                    "tokens": m.tokens, "seconds": round(m.seconds, 3), "tok_s": round(m.tok_s, 1),
-                    "vs_c1": round(m.tok_s / base.tok_s, 3) if base and base.tok_s else None,
-                    "ttft_p50": round(1e3 * _pct([r.ttft for r in m.recs], 50), 2),
-                    "ttft_p99": round(1e3 * _pct([r.ttft for r in m.recs], 99), 2),
-                    "tpot_p50": round(1e3 * _pct([r.tpot for r in m.recs], 50), 2),
-                    "tpot_p99": round(1e3 * m.tpot_p99(), 2),
-                    "mean_batch": round(m.rows / m.steps, 2) if m.steps else 0.0,
-                    "vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None})
-    return table
-
-
-def lossless_line(measured) -> str:
-    """Greedy: every row's output must equal the autoregressive row's for the same request (same runtime)."""
-    total = bad = 0
-    for (rt, name, c), m in measured.items():
-        ref = measured.get((rt, "autoregressive", c))
-        if ref is None or name == "autoregressive":
-            continue
-        for a, b in zip(m.recs, ref.recs):
-            total += 1
-            bad += a.token_ids != b.token_ids
-    return (f"lossless (greedy): {total - bad}/{total} requests equal the autoregressive row's output"
-            + ("" if not bad else "  <-- MISMATCH"))
-
-
-def goal_lines(measured, runtimes, rows, levels) -> list[str]:
-    """The issue's goals, each with the measured numbers and PASS/FAIL (n/a where a level is missing)."""
-    def tps(rt, name, c):
-        m = measured.get((rt, name, c))
-        return m.tok_s if m else None
-
-    def verdict(ok):
-        return "n/a " if ok is None else ("PASS" if ok else "FAIL")
-
-    out = ["goals:"]
-    for rt in runtimes:
-        a1, a16 = tps(rt, "autoregressive", 1), tps(rt, "autoregressive", 16)
-        ok = None if not (a1 and a16) else a16 >= 5 * a1
-        out.append(f"  [{verdict(ok)}] {rt}: autoregressive tok/s at c=16 >= 5x c=1: "
-                   + (f"{a16 / a1:.2f}x" if a1 and a16 else "needs c=1 and c=16"))
-        for aware in [r for r in rows if r.startswith("load-aware")]:
-            ratios = {c: tps(rt, aware, c) / tps(rt, "autoregressive", c) for c in levels
-                      if tps(rt, "autoregressive", c)}
-            ok1 = all(r >= 1.0 for r in ratios.values()) if ratios else None
-            out.append(f"  [{verdict(ok1)}] {rt}: {aware} >= autoregressive at every c: "
-                       + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items()))
-            ok2 = None if 1 not in ratios else ratios[1] >= 1.2
-            out.append(f"  [{verdict(ok2)}] {rt}: {aware} >= 1.2x autoregressive at c=1: "
-                       + (f"{ratios[1]:.2f}x" if 1 in ratios else "needs c=1"))
-        for name in rows:
-            m1, m16 = measured.get((rt, name, 1)), measured.get((rt, name, 16))
-            ok = None if not (m1 and m16) else m16.tpot_p99() <= 2 * m1.tpot_p99()
-            out.append(f"  [{verdict(ok)}] {rt}: {name}: p99 TPOT at c=16 <= 2x c=1: "
-                       + (f"{1e3 * m16.tpot_p99():.2f} vs {1e3 * m1.tpot_p99():.2f} ms "
-                          f"({m16.tpot_p99() / m1.tpot_p99():.2f}x)" if m1 and m16 and m1.tpot_p99()
-                          else "needs c=1 and c=16"))
-    if "cluster" in runtimes and "in-process" in runtimes:
-        for name in rows:
-            ratios = {c: tps("cluster", name, c) / tps("in-process", name, c) for c in levels
-                      if tps("in-process", name, c)}
-            ok = all(r >= 0.8 for r in ratios.values()) if ratios else None
-            out.append(f"  [{verdict(ok)}] cluster >= 0.8x in-process at every c, {name}: "
-                       + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items()))
-    return out
-
-
-def plot(measured, runtimes, rows, levels, path: Path) -> None:
-    """Two panels: aggregate tok/s and p99 TPOT vs concurrency (log2 x), a line per (runtime, row)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for rt in runtimes:
-        for name in rows:
-            ms = [measured[(rt, name, c)] for c in levels]
-            style = "-" if rt == "in-process" else "--"
-            ax1.plot(levels, [m.tok_s for m in ms], style, marker="o", label=f"{rt}: {name}")
-            ax2.plot(levels, [1e3 * m.tpot_p99() for m in ms], style, marker="o", label=f"{rt}: {name}")
-    ax1.set_title("throughput vs concurrency")
-    ax2.set_title("p99 time per output token vs concurrency")
-    ax2.legend(fontsize=7)
-    save_concurrency_plot(fig, [(ax1, "aggregate output tokens/s"), (ax2, "p99 TPOT (ms)")], levels,
-                          "concurrency (closed-loop clients)", path)
-    plt.close(fig)

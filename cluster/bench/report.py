@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 
 @dataclass
 class Timed:
@@ -129,3 +131,8 @@ def save_concurrency_plot(fig, panels, levels: list[int], xlabel: str, path: Pat
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile of ``xs`` (0 for none)."""
+    return float(np.percentile(xs, q)) if xs else 0.0
