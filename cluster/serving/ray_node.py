@@ -32,6 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+# A call whose connection to an actor breaks (its process or node died) fails at once, not after a grace period.
+# Ray's core worker (actor_task_submitter.cc) otherwise parks such a call for timeout_ms_task_wait_for_death_info
+# (1000 ms) in case the GCS publishes the actor's death cause meanwhile, and fails it at the next internal
+# heartbeat after that (core_worker_internal_heartbeat_ms, 1000 ms): 1-2 s in all.  When a whole node dies the
+# GCS learns it only from its health checks (12-15 s here), so the call fails with the same ACTOR_UNAVAILABLE
+# either way and the wait only delays it: Serve's proxy answered a target-node loss 1.15-1.6 s late, with 0 in
+# 0.06-0.08 s (docs/cluster.md, "Many nodes").  KubeRay sets the same on every container of a RayService.
+# What it costs: a call to an actor that died on a live node fails as ActorUnavailableError instead of waiting
+# for ActorDiedError with its cause (Serve's router then probes the replica before dropping it).  Nothing is
+# declared dead sooner (it acts only on a call whose connection already failed), so a stalled node is not.
+# Every process of the node inherits it from the environment of `ray start`; a value already set there wins.
+DEATH_INFO_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"     # "0": Ray keeps 127.0.0.1 as the node address
 START_TIMEOUT_S = 60.0
 
@@ -133,7 +145,7 @@ def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOO
         cmd += ["--resources", json.dumps(resources)]
     # SIGTERM drains the node first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s) so Serve proxies can stop
     # taking traffic; ours stop after Serve (down: serve.delete; up: serve.shutdown) or die with their cluster
-    full_env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ,
+    full_env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **DEATH_INFO_ENV, **os.environ,
                 **auth_env(loopback=node_ip == LOOPBACK and head_address is None), **(env or {})}
     if node_ip != LOOPBACK or head_address is not None:
         full_env.pop(LOCAL_ONLY_ENV, None)

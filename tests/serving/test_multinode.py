@@ -128,12 +128,12 @@ def test_drafter_node_loss_under_load(cluster, reference):
 
 def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
     """Last (it kills node_a): the node with the coordinator and its target dies under 4 clients; the clients
-    see UNAVAILABLE only (retryable), within seconds; once a node offers node_a again Serve rebuilds the unit
-    and the same greedy outputs come back."""
+    see UNAVAILABLE only (retryable), the first within 1 s (issue 22); once a node offers node_a again Serve
+    rebuilds the unit and the same greedy outputs come back."""
     mn, cfg, _ = cluster
     with Load(f"127.0.0.1:{cfg['cluster']['grpc_port']}", PROMPTS, MAX_NEW) as load:
         poll(lambda: len(load.results) >= 4, "4 completions before the kill", 60)
-        killed = time.monotonic()
+        killed, killed_wall = time.monotonic(), time.time()
         mn.kill_node("node_a")
         poll(lambda: load.failures, "a failure after the target's node died", 30)
         first_failure = load.failures[0][0] - killed
@@ -141,9 +141,13 @@ def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
         mn.add_worker("node_a2", resource="node_a")
         served = poll(lambda: min(load.after(back), default=None), "serving again", 180)
     codes = sorted({c for _, c in load.failures})
-    print(f"target node loss: {len(load.failures)} failures {codes}, the first {first_failure:.2f}s after the kill; "
+    print(f"target node loss (killed at {killed_wall:.3f}, Ray logs in {mn.temp}): "
+          f"{len(load.failures)} failures {codes}, the first {first_failure:.2f}s after the kill; "
           f"serving again {served - back:.1f}s after the new node started; {len(load.results)} completions")
     assert codes == ["UNAVAILABLE"], codes
-    # measured 1.2-1.5 s: the proxy learns the replica died when Ray declares its node dead (issue goal: 1 s)
-    assert first_failure <= 3.0
+    # The proxy's call to the replica fails as soon as its connection breaks, since the nodes run with
+    # RAY_timeout_ms_task_wait_for_death_info=0 (cluster/serving/ray_node.py): measured 0.06-0.08 s; with
+    # Ray's default (1000 ms, checked on a 1 s heartbeat) 1.15-1.58 s.  The GCS declares the node dead only
+    # 12-15 s after the kill (its health checks), so this does not wait for that.
+    assert first_failure <= 1.0
     assert all(toks == reference[p] for _, p, toks, _ in load.results)

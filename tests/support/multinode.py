@@ -62,6 +62,11 @@ class MultiNode:
     def address(self) -> str:
         return self.head.address
 
+    @property
+    def temp(self) -> Path:
+        """The cluster's Ray temp dir (every node's logs under session_latest/logs)."""
+        return temp_dir(self.port)
+
     def add_worker(self, name: str, resource: str | None = None, num_cpus: float = 1) -> RayNode:
         """Start a worker node offering ``{resource or name: 1}`` and wait until the cluster lists it."""
         ip = f"127.0.0.{self._next_ip}"
