@@ -117,12 +117,15 @@ class Endpoint:
         if self._rebuild is not None:
             self.down = not self._probe_group()
             return not self.down
-        if self._probe is None:
-            self._probe = [a.health.remote() for a in self.actors]
-        ready, _ = ray.wait(self._probe, num_returns=len(self._probe), timeout=0)
-        if len(ready) < len(self._probe):
+        # one snapshot of the pending probe: the coordinator's loop and the engine's step both probe (health.refresh)
+        # from their threads, so the other may take the probe (set it to None) between two reads of the attribute
+        refs = self._probe
+        if refs is None:
+            refs = self._probe = [a.health.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) < len(refs):
             return False
-        refs, self._probe = self._probe, None
+        self._probe = None
         try:
             ray.get(refs, timeout=1.0)
             self.down = False
