@@ -87,6 +87,9 @@ class ActorResources:
         return out
 
 
+SERVE_METRICS_INTERVAL_S = 10.0     # Ray Serve's default autoscaling metrics interval (ray.serve.config)
+
+
 @dataclass(frozen=True)
 class AutoscalingSpec:
     """Serve autoscaling of whole serving units: mapped onto Ray Serve's ``autoscaling_config`` (units =
@@ -117,6 +120,9 @@ class AutoscalingSpec:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ConfigError(f"{path}.{name}: must be > 0, got {v}")
+        if self.look_back_period_s <= SERVE_METRICS_INTERVAL_S:     # Serve warns now, will raise later
+            raise ConfigError(f"{path}.look_back_period_s: must be > {SERVE_METRICS_INTERVAL_S:g} (Serve's autoscaling "
+                              f"metrics interval), got {self.look_back_period_s}")
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import filecmp
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,6 +158,7 @@ def test_configs_cluster_sections():
     ({"autoscaling": {"max_units": 3, "initial_units": 4}}, ["cluster.autoscaling.initial_units", "4"]),
     ({"autoscaling": {"target_ongoing_requests": 0}}, ["cluster.autoscaling.target_ongoing_requests", "> 0"]),
     ({"autoscaling": {"upscale_delay_s": -1}}, ["cluster.autoscaling.upscale_delay_s", "-1"]),
+    ({"autoscaling": {"look_back_period_s": 5}}, ["cluster.autoscaling.look_back_period_s", "> 10", "5"]),
     ({"autoscaling": {"max_unitz": 3}}, ["cluster.autoscaling.max_unitz", "unknown field"]),
     ({"autoscaling": {"max_units": 3}, "replicas": 2}, ["cluster.replicas", "initial_units", "2"]),
     ({"drain_timeout_s": -1}, ["cluster.drain_timeout_s", "-1"]),
@@ -180,7 +182,9 @@ def test_autoscaling_maps_onto_serve_and_one_serve_config_deploys_it():
                                         "downscale_delay_s": 5}, drain_timeout_s=30)
     cfg = config_from_dict(data)
     opts = deployment_options(cfg)
-    auto = AutoscalingConfig(**opts["autoscaling_config"])          # Serve's own validation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                               # Serve's FutureWarnings too
+        auto = AutoscalingConfig(**opts["autoscaling_config"])      # Serve's own validation
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 3, 1)
     assert auto.target_ongoing_requests == cfg.engine.max_batch and auto.upscale_delay_s == 2
     assert "num_replicas" not in opts and opts["graceful_shutdown_timeout_s"] == 30
