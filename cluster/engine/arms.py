@@ -7,8 +7,10 @@ samples of committed tokens per row and step, and of real / modelled step second
 across batch sizes and acceptance estimates within a band, and the second carries what the forward costs
 miss (drafter catch-up, the engine's own work, round trips).
 
-**Estimate.**  Goodput of arm k is ``B_g * T_k / (S_k * R_k)``: S_k the modelled step seconds, T_k and R_k
-the medians of the arm's last samples, topped up to ``prior_samples`` with pseudo-samples -- E_k (the
+**Estimate.**  Goodput of arm k is ``B_g * T_k / (S_k * R_k)``: S_k the modelled step seconds, T_k the mean
+and R_k the median of the arm's last samples (tokens per step are bimodal -- a whole draft accepted or an
+early reject -- so their median swings between 1 and k + 1 and only the mean gives tokens per second),
+topped up to ``prior_samples`` with pseudo-samples -- E_k (the
 acceptance model's tokens per step) for T; for R 1 when k = 0 or the band has measured no k > 0, else
 interpolated between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So the
 cost model decides until an arm has samples, and two samples decide.
@@ -39,6 +41,9 @@ class Band:
     times: dict = field(default_factory=dict)    # k -> deque of recent real / modelled step seconds
     samples: Counter = field(default_factory=Counter)   # k -> samples ever taken
     plans: int = 0               # plans made in this band
+    run_k: int | None = None     # the k of the probe run under way
+    run_left: int = 0            # its plans still to come
+    seen: int = -1               # the planner's plan number when this band last planned
     interval: int = 0            # plans between probes
     next_probe: int = 0          # plan number of the next probe
     turn: int = 0                # which neighbour the next probe tries (0 after a change of best)
@@ -60,6 +65,7 @@ class Pending:
     rows: list[tuple[object, int]]   # (sequence, generated tokens at plan time)
     probe_at: int | None = None  # the band's plan number, for a probe
     seconds: float | None = None
+    switched: bool = False       # this drafter's k differs from its previous plan's (no time sample)
 
 
 def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
@@ -70,7 +76,7 @@ def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
         tok += [p.expected[k]] * (need - len(tok))
     if len(tim) < need:
         tim += [borrow(band, k) if k > 0 else 1.0] * (need - len(tim))
-    return len(p.rows) * statistics.median(tok) / max(p.modelled[k] * statistics.median(tim), 1e-12)
+    return len(p.rows) * statistics.fmean(tok) / max(p.modelled[k] * statistics.median(tim), 1e-12)
 
 
 def borrow(band: Band, k: int) -> float:

@@ -70,6 +70,7 @@ class Engine(CallerDriven):
         self._aborted: set[str] = set()
         self._ended: list[Sequence] = []    # ended this step: still live until the step's flush released them
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
+        self._planned_at: float | None = None   # when the last planned step began, while its period runs
 
     @classmethod
     def configured(cls, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, spec,
@@ -134,6 +135,7 @@ class Engine(CallerDriven):
     def step(self) -> list[Sequence]:
         """One engine step for every running request; returns the requests that ended in it."""
         now = time.perf_counter()
+        self._observe(now)
         with self._lock:
             ended = [self._live[rid] for rid in self._aborted if rid in self._live]
             self._aborted.clear()
@@ -161,12 +163,10 @@ class Engine(CallerDriven):
             self.step_rows += len(running)
         for seq in running:
             seq.begin_step()
-        if self.planner is not None:
-            self.planner.plan(running)
-        t0 = time.perf_counter()
-        outs = run_rounds(running, self.models, self.target, self._step_of, self.model_down)
         if self.planner is not None and running:
-            self.planner.observe(time.perf_counter() - t0)
+            self.planner.plan(running)
+            self._planned_at = time.perf_counter()
+        outs = run_rounds(running, self.models, self.target, self._step_of, self.model_down)
         for seq, out in outs.items():
             if not isinstance(out, BaseException):
                 out = seq.check_logprobs(out)
@@ -186,7 +186,19 @@ class Engine(CallerDriven):
                 self._live.pop(seq.rid, None)
             if seq.on_end is not None:
                 seq.on_end(seq)
+        if not self.scheduler.running:   # the loop may wait for work now: the period ends here
+            self._observe(time.perf_counter())
         return ended
+
+    def _observe(self, now: float) -> None:
+        """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
+        (what the step loop really spends per step: emitting, flushing, the caller's loop and whatever contends
+        with them -- in the served runtime the replica's per-chunk streaming, paid once per token by plain
+        decoding and once per block by speculation), or to its own end when nothing was left running (the loop
+        then waits for work, which is no step's cost)."""
+        if self._planned_at is not None:
+            self.planner.observe(now - self._planned_at)
+            self._planned_at = None
 
     def _flush(self) -> None:
         """Send each remote model's queued bookkeeping (releases of ended requests among it): one call per

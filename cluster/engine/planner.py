@@ -30,17 +30,24 @@ read from the growth of each row's ``ctx.stats.generated_tokens`` between one pl
 applies a step's tokens after ``observe``), over the rows that ran the planned k in full (not those whose
 remaining budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
 real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
-and the second carries what the forward costs miss (drafter catch-up, the engine's own work, round trips).
+and the second carries what the forward costs miss (the engine's own work, round trips).  The step where a
+drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
+plain steps before it, and had no block pre-drafted during the last verification (separated topology), so
+it costs what switching costs, not what k costs.  A one-step probe of k > 0 from a band settled on k = 0
+was only ever such a step (measured served at batch 1: k = 4 at 1.65x its modelled time, 18.8 ms, against
+15 ms per step of a run of k = 4), which kept the band at k = 0; hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate ``B_g * T_k / (S_k * R_k)``, the
 cost model standing in for arms with too few samples; k > 0 must beat k = 0 by ``margin``.
 
-**Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) runs a neighbour of the current
-best instead (best + 1, best - 1, 0, k_max in turn).  The only quicker probes, 2 plans later, follow a probe that
+**Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) starts a run of ``probe_run``
+plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
+plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
+is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
 won (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
 lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation does not pay (high batch) the
-band settles on k = 0 and probes k = 1 ever more rarely.  Everything is counters and medians: the same
+band settles on k = 0 and probes k = 1 ever more rarely.  Everything is counters, means and medians: the same
 observations give the same plans (no clock, no randomness).
 
 **Acceptance** (feeds the prior): per request, shrunk toward its drafter's, read from the requests' counters
@@ -79,18 +86,20 @@ class Planner:
     def __init__(self, costs: dict[str, ForwardCost] | None, target: str, *, measure=None,
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, probe_every: int = 8, backoff: int = 16,
                  window: int = 12, prior_samples: int = 2, margin: float = 0.05, memory: int = 4096,
-                 history: int = 10000, retry_every: int = 64):
+                 history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5):
         if costs is None and measure is None:
             raise ValueError("Planner: give costs or a measure callable")
         if costs is not None and target not in costs:
             raise ValueError(f"Planner: costs must include the target {target!r}")
-        if window < 1 or prior_samples < 0 or backoff < 1 or probe_every < 0:
-            raise ValueError("Planner: window >= 1, prior_samples >= 0, backoff >= 1, probe_every >= 0")
+        if window < 1 or prior_samples < 0 or backoff < 1 or probe_every < 0 or probe_run < 1:
+            raise ValueError("Planner: window >= 1, prior_samples >= 0, backoff >= 1, probe_every >= 0, "
+                             "probe_run >= 1")
         self.acceptance = Acceptance(prior_alpha, prior_weight, memory)
         self.costs, self.target = dict(costs or {}), target
         self._measure, self.retry_every, self._retry_at, self._plans = measure, retry_every, 0, 0
         self.probe_every, self.backoff, self.window, self.prior_samples = probe_every, backoff, window, prior_samples
-        self.margin = margin
+        self.margin, self.probe_run, self.probe_floor = margin, probe_run, probe_floor
+        self._last_k: dict[str, int] = {}              # drafter -> the k of its group's previous plan
         self.history: deque[tuple[int, int]] = deque(maxlen=history)
         self.counts: dict[int, Counter] = {}
         self.last: dict[str, tuple[int, int, float]] = {}
@@ -119,11 +128,12 @@ class Planner:
                 continue
             band = self._bands[p.key]
             band.tokens.setdefault(p.k, deque(maxlen=self.window)).append(tokens / len(p.rows))
-            band.times.setdefault(p.k, deque(maxlen=self.window)).append(p.seconds / p.modelled[p.k])
+            if not p.switched:                           # a switch's step is not what k costs (docstring)
+                band.times.setdefault(p.k, deque(maxlen=self.window)).append(p.seconds / p.modelled[p.k])
             band.samples[p.k] += 1
             if p.probe_at is not None:                   # a probe: back off unless it beats the best
                 won = estimate(band, p, p.k, self.prior_samples) > estimate(band, p, p.best, self.prior_samples)
-                fresh = len(band.times[p.k]) < max(self.prior_samples, 1)
+                fresh = len(band.times.get(p.k, ())) < max(self.prior_samples, 1)
                 if won:                                  # hill-climb: next, one further the same way
                     band.interval, band.again = self.probe_every, p.k + (1 if p.k > p.best else -1)
                 elif fresh:                              # too few samples to tell: the same k again
@@ -133,10 +143,10 @@ class Planner:
                 band.next_probe = p.probe_at + (2 if won or fresh else band.interval)
 
     def report(self) -> dict[tuple[str, str], dict]:
-        """Per (drafter, band): the current best k, probes so far, and per measured k (samples, median tokens
+        """Per (drafter, band): the current best k, probes so far, and per measured k (samples, mean tokens
         per row and step, median real / modelled step seconds)."""
         return {(d, BANDS[b]): {"best": band.best, "probes": band.probes,
-                                "arms": {k: (band.samples[k], statistics.median(band.tokens[k]),
+                                "arms": {k: (band.samples[k], statistics.fmean(band.tokens[k]),
                                              statistics.median(band.times[k])) for k in sorted(band.times)}}
                 for (d, b), band in sorted(self._bands.items())}
 
@@ -184,6 +194,15 @@ class Planner:
             self.counts.setdefault(batch, Counter())[k] += 1
             self.last[drafter] = (batch, k, sum(alphas) / len(alphas))
 
+    def _hopeless(self, band, p, cand: int, best: int) -> bool:
+        """A probe not worth its run: once the band has measured some k > 0 (so estimates carry measured time
+        ratios), an arm estimated below ``probe_floor`` of the best's goodput.  Measured in-process at 32 rows, a
+        run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
+        if not any(band.times.get(j) for j in range(1, len(p.modelled))):
+            return False                                 # the prior alone decides nothing here: probe
+        ps = self.prior_samples
+        return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
+
     def _plan_group(self, drafter: str, seqs: list, alphas: list[float], batch: int) -> int:
         k_max = max(0, min(s.req.strategy.k for s in seqs))
         drafter_cost, target_cost = self.costs.get(drafter), self.costs[self.target]
@@ -201,19 +220,33 @@ class Planner:
             band.best, band.interval, band.turn = best, self.probe_every, 0
             band.next_probe = min(band.next_probe, band.plans + self.probe_every)
         band.plans += 1
+        if band.seen != self._plans - 1:                 # the batch left this band meanwhile: the run is over
+            band.run_left = 0
+        band.seen = self._plans
         k, probe_at = best, None
-        if k_max > 0 and self.probe_every and band.plans >= band.next_probe:
+        if band.run_left > 0 and band.run_k is not None and band.run_k <= k_max:     # a probe's run goes on
+            k, band.run_left = band.run_k, band.run_left - 1
+            probe_at = band.plans if band.run_left == 0 else None
+        elif k_max > 0 and self.probe_every and band.plans >= band.next_probe:
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
-                k = band.again
+                cand = band.again
             else:
                 around = neighbours(best, k_max)
-                k, band.cycle = around[band.turn % len(around)], len(around)
+                cand, band.cycle = around[band.turn % len(around)], len(around)
                 band.turn += 1
             band.again = None
-            band.probes += 1
-            probe_at = band.plans
-            band.next_probe = band.plans + band.interval
+            band.next_probe = band.plans + max(band.interval, self.probe_run)
+            if self._hopeless(band, p, cand, best):      # skipped, and counted as a probe that lost
+                if band.turn % band.cycle == 0:
+                    band.interval = min(band.interval * 2, self.probe_every * self.backoff)
+            else:
+                k = cand
+                band.probes += 1
+                band.run_k, band.run_left = k, self.probe_run - 1
+                probe_at = band.plans if band.run_left == 0 else None  # judged on the run's last step
         p.k, p.best, p.probe_at = k, best, probe_at
+        p.switched = self._last_k.get(drafter, k) != k
+        self._last_k[drafter] = k
         # a row whose remaining budget cuts the draft below k (its last steps) does not run arm k: its tokens
         # would sample a shorter draft as this one (and its faster step with them); the step's time stays a
         # sample while some row runs k in full
