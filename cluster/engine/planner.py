@@ -25,10 +25,10 @@ a drafter without a table -- the deterministic Max-Gram drafter -- drafts for fr
 is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
 :func:`cluster.core.forward_cost.plan_draft_length`).
 
-**Measurement.**  :meth:`Planner.observe` receives the step's wall time; the tokens the step committed are
-read from the growth of each row's ``ctx.stats.generated_tokens`` between one plan and the next (the engine
-applies a step's tokens after ``observe``), over the rows that ran the planned k in full (not those whose
-remaining budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
+**Measurement.**  :meth:`Planner.observe` receives the step's wall time (the engine's: from the plan to the
+next step); the tokens the step committed are read at the next plan from the growth of each row's
+``ctx.stats.generated_tokens``, over the rows that ran the planned k in full (not those whose remaining
+budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
 real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
 and the second carries what the forward costs miss (the engine's own work, round trips).  The step where a
 drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
@@ -37,8 +37,9 @@ it costs what switching costs, not what k costs.  A one-step probe of k > 0 from
 was only ever such a step (measured served at batch 1: k = 4 at 1.65x its modelled time, 18.8 ms, against
 15 ms per step of a run of k = 4), which kept the band at k = 0; hence runs of ``probe_run`` plans.
 
-**Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate ``B_g * T_k / (S_k * R_k)``, the
-cost model standing in for arms with too few samples; k > 0 must beat k = 0 by ``margin``.
+**Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
+``B_g * T_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
+k = 0 by ``margin``.
 
 **Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) starts a run of ``probe_run``
 plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
@@ -46,9 +47,9 @@ plan; a probe of an arm whose estimate (with measured time ratios) is below ``pr
 is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
 won (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
-lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation does not pay (high batch) the
-band settles on k = 0 and probes k = 1 ever more rarely.  Everything is counters, means and medians: the same
-observations give the same plans (no clock, no randomness).
+lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation
+does not pay (high batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
+counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
 **Acceptance** (feeds the prior): per request, shrunk toward its drafter's, read from the requests' counters
 (:mod:`cluster.engine.acceptance`).
