@@ -17,10 +17,10 @@ package.json (``make setup`` runs ``npm ci``; tests/k8s/upstream_validate.mjs, o
 
 Values go through each package's compiled validator; field names through its TypeScript declarations
 (TypeScript's excess-property check), as strict field validation would. Without node or node_modules/ the check
-skips, except where ``SPECSERVE_REQUIRE_NODE`` is set (by .ci/run) or ``CI`` is, where it fails. ``SPECSERVE_CRD_DIR`` pointing at upstream CRD files (of
-any version; the manifests were written against Gateway API v1.6.1, cert-manager v1.21.1 and Prometheus Operator
-v0.93.0, and checked against those CRDs this way when written) adds a check against their openAPIV3Schema, made
-strict."""
+skips, except where ``SPECSERVE_REQUIRE_NODE`` is set (by .ci/run) or ``CI`` is, where it fails.
+``SPECSERVE_CRD_DIR`` pointing at upstream CRD files (of any version; the manifests were written against
+Gateway API v1.6.1, cert-manager v1.21.1 and Prometheus Operator v0.93.0, and checked against those CRDs this
+way when written) adds a check against their openAPIV3Schema, made strict."""
 from __future__ import annotations
 
 import copy
@@ -118,25 +118,23 @@ def _first(kind):
     return copy.deepcopy(next(d for d in MANIFESTS if d["kind"] == kind))
 
 
-def _set(path, value):
-    """A change that sets the value at a dotted path (numbers index lists)."""
+def _at(path, act):
+    """A change that applies ``act(container, key)`` at a dotted path (numbers index lists)."""
     *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
 
     def change(doc):
         for key in parents:
             doc = doc[key]
-        doc[last] = value
+        act(doc, last)
     return change
+
+
+def _set(path, value):
+    return _at(path, lambda d, k: d.__setitem__(k, value))
 
 
 def _pop(path):
-    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
-
-    def change(doc):
-        for key in parents:
-            doc = doc[key]
-        doc.pop(last)
-    return change
+    return _at(path, lambda d, k: d.pop(k))
 
 
 # (kind, change to the shipped manifest, words one error must contain, the check that must find it)
