@@ -7,6 +7,7 @@ from cluster.core.logprobs import token_logprobs
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
+from tests.support.tolerance import assert_logprobs_close
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "Привет, мир! 你好", "x"]
 
@@ -24,9 +25,7 @@ def _req(prompt, max_new, n=3, **kw):
 
 def _close(got, want):
     assert got[0] is None and want[0] is None and len(got) == len(want)
-    for g, w in zip(got[1:], want[1:]):
-        assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-5
-        assert [i for i, _ in g.top] == [i for i, _ in w.top]
+    assert_logprobs_close(got[1:], want[1:])        # prefill vs a no-cache forward: tests/support/tolerance.py
 
 
 @pytest.mark.parametrize("max_new", [0, 1, 12])

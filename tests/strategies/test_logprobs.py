@@ -17,6 +17,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.models.head import save_head
 from tests.strategies.test_specdec_pp import _const_head
 from tests.support.built import engine_for
+from tests.support.tolerance import assert_logprobs_close
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "the cat sat on the mat. the cat", "import os\n"]
 LOSSLESS = [("speculative", dict(drafter="drafter-large", k=3)),
@@ -41,12 +42,7 @@ def _req(prompt, strategy, options, temperature=0.0, max_new=24, **kw):
                              seed=5, strategy=strategy, options=options, ignore_eos=True, logprobs=TOP)
 
 
-def _close(got, want, atol=1e-5):
-    assert [g.token_id for g in got] == [w.token_id for w in want]
-    for g, w in zip(got, want):
-        assert abs(g.logprob - w.logprob) <= atol
-        assert [i for i, _ in g.top] == [i for i, _ in w.top]
-        assert max(abs(a - b) for (_, a), (_, b) in zip(g.top, w.top)) <= atol
+_close = assert_logprobs_close          # float32 over other forward shapes: see tests/support/tolerance.py
 
 
 def _full_forward(engine, prompt, res):
@@ -80,8 +76,8 @@ def test_greedy_logprobs_equal_autoregressive_batched(engine):
     seqs.append(engine.add(_req(*reqs[-1])))
     while engine.has_work:
         engine.step()
-    for seq, (prompt, _, _) in zip(seqs, reqs):       # float32 forwards over other batch shapes: ~1e-5 apart
-        _close(seq.result.logprobs, want[prompt], atol=2e-5)
+    for seq, (prompt, _, _) in zip(seqs, reqs):
+        _close(seq.result.logprobs, want[prompt])
 
 
 def test_specdec_pp_logprobs_equal_autoregressive(engine, tmp_path, monkeypatch):
@@ -98,7 +94,7 @@ def test_sampled_logprobs_are_the_targets_full_forward(engine, strategy, options
     """Under sampling (T = 1.3, top-p 0.9: not applied to the reported numbers) and for lossy strategies."""
     res = _run(engine, PROMPTS[1], strategy, options, temperature=1.3, top_p=0.9, max_new=20)
     assert len(res.logprobs) == len(res.token_ids) == 20
-    _close(res.logprobs, _full_forward(engine, PROMPTS[1], res), atol=2e-5)
+    _close(res.logprobs, _full_forward(engine, PROMPTS[1], res))
 
 
 def test_top_n_sorted_and_consistent(engine):
@@ -147,7 +143,7 @@ def test_token_cascade_runs_without_deferral_are_scored_without_changing_them(en
                                               seed=5, strategy="token_cascade", options=opts, ignore_eos=True))
     assert res.token_ids == plain.token_ids and plain.stats.target_forwards == 0
     assert res.stats.target_forwards == 2                   # one pass per run: MAX_RUN = 32 tokens, then 8
-    _close(res.logprobs, _full_forward(engine, PROMPTS[0], res), atol=2e-5)
+    _close(res.logprobs, _full_forward(engine, PROMPTS[0], res))
 
 
 def test_eos_cut_mid_block_keeps_logprobs_aligned():
