@@ -21,7 +21,7 @@ import time
 import torch
 
 from actors.model_actor import MAX_RESTARTS
-from actors.protocol import StepCall, apply, picklable
+from actors.protocol import StepCall, apply
 from cluster.core.draft_side import DraftSide
 from cluster.models.build import build_handle
 
@@ -41,13 +41,7 @@ class DraftHost:
         self.predraft_s = self.wait_s = 0.0     # background seconds pre-drafting; calls' seconds waiting on it
 
     def info(self) -> dict:
-        def one(h) -> dict:
-            return dict(name=h.name, vocab_size=h.vocab_size, max_length=h.max_length, num_params=h.num_params,
-                        specdec_head=picklable(getattr(h, "specdec_head", None)),
-                        deterministic=bool(getattr(h, "deterministic", False)))
-        s = self.side
-        return dict(name=s.name, vocab_size=s.vocab_size, max_length=s.max_length, num_params=s.num_params,
-                    deterministic=False, members={n: one(h) for n, h in s.members.items()})
+        return dict(self.side.capabilities(), members={n: h.capabilities() for n, h in self.side.members.items()})
 
     def step(self, call: StepCall):
         """-> (packed result, compute seconds); pre-drafting of the answered block starts after it returns."""

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from actors.protocol import StepCall, apply, picklable
+from actors.protocol import StepCall, apply
 from cluster.models.build import build_handle
 
 MAX_RESTARTS = 10      # a model actor that dies is restarted by Ray (empty: its requests re-prefill it)
@@ -28,10 +28,7 @@ class ModelHost:
         self.name = name
 
     def info(self) -> dict:
-        w = self.worker
-        return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params,
-                    specdec_head=picklable(getattr(w, "specdec_head", None)),
-                    deterministic=bool(getattr(w, "deterministic", False)))
+        return self.worker.capabilities()
 
     def step(self, call: StepCall):
         """-> (packed result of the call's method, compute seconds)."""

@@ -18,13 +18,13 @@ which is why verification runs where the target's logits are (see docs/cluster.m
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from cluster.core.interfaces import UnknownRequestError
 from cluster.core.sampling import onehot_logits
 
 OPS = ("rollback", "extend", "release")
@@ -56,8 +56,8 @@ def apply(handle, call: StepCall) -> Any:
         if call.method not in METHODS:
             raise ValueError(f"unknown method {call.method!r}")
         out = getattr(handle, call.method)(call.items)
-        return pack(tokens_only(call.method, out) if getattr(handle, "deterministic", False) else out)
-    except KeyError as e:                 # the handles raise KeyError for a request they do not hold
+        return pack(tokens_only(call.method, out) if handle.deterministic else out)
+    except UnknownRequestError as e:      # a request the handle does not hold: the actor restarted
         raise StateLostError(str(e)) from None
 
 
@@ -99,14 +99,6 @@ def unpack(out):
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         return dataclasses.replace(out, **{f.name: unpack(getattr(out, f.name)) for f in dataclasses.fields(out)})
     return out
-
-
-def picklable(x):
-    try:
-        pickle.dumps(x)
-        return x
-    except Exception:                                 # noqa: BLE001 - an attribute we cannot ship
-        return None
 
 
 def nbytes(out) -> int:

@@ -9,7 +9,44 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from cluster.core.interfaces import BatchedHandle
+from cluster.core.sampling import SamplingParams
+
+
+class PrefillItem(NamedTuple):
+    """One request's item of ``prefill_batch``."""
+
+    rid: str
+    ids: list[int]               # [P >= 1] the context; all but ids[-1] are cached, ids[-1] stays pending
+    sampling: SamplingParams
+    seed: int
+
+
+class ScoreItem(NamedTuple):
+    rid: str
+    draft: list[int]             # [L] appended, then one forward -> logits [L+1, V]
+
+
+class ProposeItem(NamedTuple):
+    rid: str
+    k: int                       # tokens to sample -> (tokens [k], logits [k, V])
+
+
+class AdaptiveItem(NamedTuple):
+    rid: str
+    k_max: int                   # -> (tokens [K <= k_max], logits [K, V])
+    head: Any                    # the acceptance head (a path, or the built head)
+    threshold: float
+    eos: int | None = None
+
+
+class DraftItem(NamedTuple):
+    rid: str
+    spec: Any                    # cluster.core.drafting.DraftSpec
+    limit: int                   # at most this many tokens -> DraftBlock (tokens [L <= limit], q [L, S])
+    budget: int                  # tokens the request may still emit this step (bounds a pre-draft)
 
 
 @dataclass(frozen=True)
@@ -18,6 +55,13 @@ class Propose:
 
     model: str
     k: int
+
+    def item(self, rid: str) -> ProposeItem:
+        return ProposeItem(rid, self.k)
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[ProposeItem]) -> list:
+        return handle.propose_batch(items)
 
 
 @dataclass(frozen=True)
@@ -32,6 +76,13 @@ class ProposeAdaptive:
     threshold: float
     eos: int | None = None
 
+    def item(self, rid: str) -> AdaptiveItem:
+        return AdaptiveItem(rid, self.k_max, self.head, self.threshold, self.eos)
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[AdaptiveItem]) -> list:
+        return handle.propose_adaptive_batch(items)
+
 
 @dataclass(frozen=True)
 class Score:
@@ -39,6 +90,13 @@ class Score:
 
     model: str
     draft: tuple[int, ...]
+
+    def item(self, rid: str) -> ScoreItem:
+        return ScoreItem(rid, list(self.draft))
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[ScoreItem]) -> list:
+        return handle.score_batch(items)
 
 
 @dataclass(frozen=True)
@@ -55,55 +113,29 @@ class Draft:
     limit: int
     budget: int
 
+    def item(self, rid: str) -> DraftItem:
+        return DraftItem(rid, self.spec, self.limit, self.budget)
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[DraftItem]) -> list:
+        return handle.draft_batch(items)
+
 
 ModelCall = Propose | ProposeAdaptive | Score | Draft
 
-# call kind -> (the batched method of BatchedHandle, the per-request item's fields after the request id)
-BATCHED = {Propose: "propose_batch", Score: "score_batch", ProposeAdaptive: "propose_adaptive_batch",
-           Draft: "draft_batch"}
+
+def run_group(handle: BatchedHandle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:
+    """Results of ``items`` = [(request id, call)], all of ``kind`` on ``handle``, in order: one batched call."""
+    return kind.run(handle, [call.item(rid) for rid, call in items])
 
 
-def call_args(call: ModelCall) -> tuple:
-    """The fields of one request's item in the batched call (after its request id)."""
-    if isinstance(call, Propose):
-        return (call.k,)
-    if isinstance(call, Score):
-        return (list(call.draft),)
-    if isinstance(call, Draft):
-        return (call.spec, call.limit, call.budget)
-    return (call.k_max, call.head, call.threshold, call.eos)
-
-
-def run_group(handle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:
-    """Results of ``items`` = [(request id, call)], all of ``kind`` on ``handle``, in order: one batched call
-    on a handle with the batched form (workers, remote handles, the draft side); a simple handle (test
-    doubles) gets the per-request calls in order."""
-    method = BATCHED[kind]
-    batched = getattr(handle, method, None)
-    if batched is not None:
-        return batched([(rid, *call_args(call)) for rid, call in items])
-    single = getattr(handle, method.removesuffix("_batch"))
-    return [single(rid, *call_args(call)) for rid, call in items]
-
-
-def prefill(handle, items: list[tuple]) -> None:
-    """Start ``items`` = [(request id, token ids, sampling, seed)] on ``handle``: one batched call where it has one."""
-    batched = getattr(handle, "prefill_batch", None)
-    if batched is not None:
-        batched(items)
-    else:
-        for item in items:
-            handle.prefill(*item)
-
-
-def prefill_scored(handle, items: list[tuple]) -> list[Any]:
-    """Start ``items`` = [(request id, token ids [P >= 2], sampling, seed)] on ``handle`` as :func:`prefill`
+def prefill_scored(handle: BatchedHandle, items: list[tuple]) -> list[Any]:
+    """Start ``items`` = [(request id, token ids [P >= 2], sampling, seed)] on ``handle`` as ``prefill_batch``
     does, and return each prompt's raw logits ``[P-1, V]`` (row i: the distribution of ``ids[i+1]``) from the
     same forward that fills the cache: the first token is prefilled alone, the rest but the last scored as a
     draft (one batched forward for all items), and the last token appended as prefill leaves it, pending."""
-    prefill(handle, [(rid, ids[:1], sampling, seed) for rid, ids, sampling, seed in items])
-    name = getattr(handle, "name", "")
-    logits = run_group(handle, Score, [(rid, Score(name, tuple(ids[1:-1]))) for rid, ids, _, _ in items])
+    handle.prefill_batch([PrefillItem(rid, ids[:1], sampling, seed) for rid, ids, sampling, seed in items])
+    logits = run_group(handle, Score, [(rid, Score(handle.name, tuple(ids[1:-1]))) for rid, ids, _, _ in items])
     for rid, ids, _, _ in items:
         handle.extend(rid, [ids[-1]])
     return logits

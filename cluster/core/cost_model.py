@@ -168,7 +168,7 @@ def ewif_cascade(K, alpha, cost, bottom_per_token: bool = False) -> float:
 def model_costs(models: Mapping[str, object], latencies: Mapping[str, float] | None = None) -> dict[str, float]:
     """Cost of one call per model: the user's measured latencies where given, else parameter counts."""
     latencies = latencies or {}
-    return {n: float(latencies.get(n, getattr(m, "num_params", 0))) for n, m in models.items()}
+    return {n: float(latencies.get(n, m.num_params)) for n, m in models.items()}
 
 
 def swi(stats, costs: Mapping[str, float], target: str = "target") -> float:

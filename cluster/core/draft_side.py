@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.core.calls import advance, group_calls, prefill, run_group
+from cluster.core.calls import PrefillItem, advance, group_calls, run_group
 from cluster.core.drafting import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
+from cluster.core.interfaces import BatchedHandle, UnknownRequestError, UnsupportedCallError
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.errors import ModelUnavailableError
 
@@ -65,11 +66,10 @@ class _Req:
         return (self.hits + 1) / (self.tries + 2) >= min_hit or self.tries % probe_every == 0
 
 
-class DraftSide:
+class DraftSide(BatchedHandle):
     """See the module docstring.  ``members``: drafter name -> handle (batched forms where they have them)."""
 
     name = DRAFTS
-    deterministic = False
 
     MIN_HIT = 0.3          # pre-draft a request's next block while at least this share of its pre-drafts is used
     PROBE_EVERY = 8
@@ -91,7 +91,7 @@ class DraftSide:
         self.rng_factory = rng_factory
         self.vocab_size = min(h.vocab_size for h in self.members.values())
         self.max_length = min(h.max_length for h in self.members.values())
-        self.num_params = sum(int(getattr(h, "num_params", 0)) for h in self.members.values())
+        self.num_params = sum(int(h.num_params) for h in self.members.values())
         self._reqs: dict[str, _Req] = {}
         self._todo: list[tuple[str, DraftSpec, int, int, DraftBlock]] = []   # blocks to pre-draft after
         self.hits = self.misses = 0            # pre-drafted blocks used / dropped
@@ -102,8 +102,9 @@ class DraftSide:
             self.release(rid)
             self._reqs[rid] = _Req(list(ids), sampling, seed, self.rng_factory(derive_seed(seed, DRAFTS)))
 
-    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
-        self.prefill_batch([(rid, ids, sampling, seed)])
+    def score_batch(self, items) -> list:
+        """The draft side drafts blocks (``draft_batch``); a strategy scores on one drafter, its member."""
+        raise UnsupportedCallError(self.name, "score_batch")
 
     def rollback(self, rid: str, length: int) -> None:
         """The committed sequence becomes (committed + the last block)[:length]."""
@@ -129,7 +130,7 @@ class DraftSide:
 
     def probe(self) -> bool:
         """After a drafter went away: True once every drafter answers again (those that can tell)."""
-        return all(getattr(h, "probe", lambda: True)() for h in self.members.values())
+        return all(h.probe() for h in self.members.values())
 
     # -- drafting -----------------------------------------------------------------------------------
     def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]]) -> list:
@@ -186,7 +187,7 @@ class DraftSide:
         try:
             return self._reqs[rid]
         except KeyError:
-            raise KeyError(f"{DRAFTS}: unknown request {rid!r}") from None
+            raise UnknownRequestError(DRAFTS, rid) from None
 
     def _run(self, runs) -> list:
         """Run the programs of ``runs`` = [(key, rid, spec, work, limit)] together; in order, a block or the
@@ -226,11 +227,11 @@ class DraftSide:
             st = self._reqs[rid]
             for name in spec.drafters:
                 if name not in st.held:
-                    need.setdefault(name, []).append((key, (rid, list(st.seq), st.sampling, st.seed)))
+                    need.setdefault(name, []).append((key, PrefillItem(rid, list(st.seq), st.sampling, st.seed)))
         failed = {}
         for name, items in need.items():
             try:
-                prefill(self.members[name], [item for _, item in items])
+                self.members[name].prefill_batch([item for _, item in items])
             except ModelUnavailableError:
                 raise
             except Exception as e:                       # noqa: BLE001 - fails these requests only

@@ -123,7 +123,7 @@ class DraftCtx:
         self.forwards[name] = self.forwards.get(name, 0) + n
 
     def deterministic(self, name: str) -> bool:
-        return bool(getattr(self.members[name], "deterministic", False))
+        return self.members[name].deterministic
 
 
 def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):

@@ -1,51 +1,151 @@
-"""The model interface the algorithm core talks to (one instance per hosted model).
+"""The model interface the engine calls (one instance per hosted model), and the tokenizer protocol.
 
-These are the protocols of the algorithm core: the model handle and the tokenizer.  A handle keeps per-request state keyed by a request id: the token sequence it has seen and a KV
-cache covering all but (at least) the last of those tokens -- the *pending* tokens are fed with the
-next forward pass.  The same interface is served in-process (:mod:`cluster.models`) and by Ray
-actors (:mod:`actors`, through :mod:`cluster.serving.remote`), so every strategy runs unchanged on both.
+:class:`BatchedHandle` is what the engine, the draft side and the actors drive: an abstract core, optional
+methods with defaults, and declared capabilities (the shape of Ray Serve LLM's ``LLMEngine`` protocol).  A
+handle keeps per-request state keyed by a request id: the token sequence it has seen and a KV cache covering
+all but (at least) the last of those tokens -- the *pending* tokens are fed with the next forward pass.  Every
+method that does work takes one item per request, so one call advances many requests (continuous batching).
+The same interface is served in-process (:mod:`cluster.models`, :mod:`cluster.core.draft_side`) and over Ray
+actors (:mod:`cluster.serving.remote`), so every strategy runs unchanged on both.
 
-Shapes: ``propose`` returns ``(tokens [k], logits [k, V])``; ``score`` returns ``logits [L+1, V]``.
-Logits are raw (unscaled); the core applies :func:`cluster.core.sampling.logits_to_probs` with the same
-parameters the handle used to sample, so proposal distributions are reproduced exactly.
+Item and result shapes (V: vocabulary; every logits tensor is raw, unscaled -- the core applies
+:func:`cluster.core.sampling.logits_to_probs` with the parameters the handle sampled with, so proposal
+distributions are reproduced exactly):
+
+  prefill_batch           (rid, ids [P >= 1], SamplingParams, seed)        -> None (all but ids[-1] cached)
+  score_batch             (rid, draft [L])                                 -> logits [L+1, V]
+  propose_batch           (rid, k)                                         -> (tokens [k], logits [k, V])
+  propose_adaptive_batch  (rid, k_max, head, threshold, eos)               -> (tokens [K <= k_max], logits [K, V])
+  draft_batch             (rid, DraftSpec, limit, budget)                  -> DraftBlock (or the exception)
+
+A call about a request the handle does not hold raises :class:`UnknownRequestError` (the actors read it as
+"restarted, state lost"); ``release`` of an unknown request is a no-op.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
 
 import torch
 
 from cluster.core.sampling import SamplingParams
 
 
-@runtime_checkable
-class ModelHandle(Protocol):
+class UnknownRequestError(KeyError):
+    """A handle was asked about a request id it does not hold (never prefilled, released, or lost in a restart)."""
+
+    def __init__(self, model: str, rid: str):
+        super().__init__(f"{model}: unknown request {rid!r}")
+        self.model, self.rid = model, rid
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class UnsupportedCallError(NotImplementedError):
+    """An optional method the handle does not implement (its capabilities say so: ask them first)."""
+
+    def __init__(self, model: str, method: str):
+        super().__init__(f"{model}: no {method} (see its declared capabilities)")
+
+
+class BatchedHandle(ABC):
+    """One hosted model (or the draft side) as the engine drives it; see the module docstring."""
+
     name: str
     vocab_size: int
-    max_length: int      # positions the model supports (prompt + generated + draft)
-    num_params: int      # cost proxy for the standardized walltime improvement
-    # Declared capability: a deterministic drafter (the Max-Gram drafter) proposes each token with
-    # probability 1, so its proposal logits are one-hot (0 at the token, -inf elsewhere) and a forward
-    # pass costs nothing worth counting per token.  Neural models sample and set it False.
-    deterministic: bool
+    max_length: int                  # positions the model supports (prompt + generated + draft)
+    num_params: int = 0              # cost proxy for the standardized walltime improvement
+    # -- declared capabilities (defaults: a neural model that only scores) ----------------------
+    # a deterministic drafter (the Max-Gram drafter) proposes each token with probability 1: its proposal
+    # logits are one-hot (0 at the token, -inf elsewhere) and a forward costs nothing worth counting per token
+    deterministic: bool = False
+    proposes: bool = False           # implements propose_batch (a drafter)
+    adaptive: bool = False           # implements propose_adaptive_batch (SpecDec++ drafting)
+    specdec_head: str | None = None  # the path of the SpecDec++ acceptance head it drafts with, if built
 
-    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
-        """Start request ``rid`` with context ``ids``; caches all but the last token."""
+    # -- required ---------------------------------------------------------------------------------
+    @abstractmethod
+    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
+        """Start each request with its context; caches all but the last token (restarting a known id)."""
 
-    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
-        """Sample k tokens autoregressively (k forward passes); append them; return tokens and logits."""
+    @abstractmethod
+    def score_batch(self, items: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """Append each draft and run one forward pass: logits ``[L+1, V]`` at the last L+1 positions."""
 
-    def score(self, rid: str, draft: list[int]) -> torch.Tensor:
-        """Append ``draft`` and run one forward pass; logits ``[L+1, V]`` at the last L+1 positions."""
-
+    @abstractmethod
     def rollback(self, rid: str, length: int) -> None:
         """Truncate the request's sequence to ``length`` tokens (crops the KV cache)."""
 
+    @abstractmethod
     def extend(self, rid: str, ids: list[int]) -> None:
         """Append tokens without a forward pass (they become pending)."""
 
+    @abstractmethod
     def release(self, rid: str) -> None:
-        """Forget request ``rid`` (idempotent)."""
+        """Forget request ``rid`` (idempotent: an unknown id is a no-op)."""
+
+    # -- optional (declared by ``proposes`` / ``adaptive``; the draft side's own call) ------------------
+    def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
+        """Sample k tokens autoregressively per request; append them; tokens ``[k]``, logits ``[k, V]``."""
+        raise UnsupportedCallError(self.name, "propose_batch")
+
+    def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
+        """SpecDec++ drafting per item ``(rid, k_max, head, threshold, eos)``."""
+        raise UnsupportedCallError(self.name, "propose_adaptive_batch")
+
+    def draft_batch(self, items: list[tuple]) -> list[Any]:
+        """The draft side's blocks, one per item ``(rid, DraftSpec, limit, budget)``."""
+        raise UnsupportedCallError(self.name, "draft_batch")
+
+    # -- defaulted --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send bookkeeping a handle queues (a remote one) now; in-process handles queue nothing."""
+
+    def probe(self) -> bool:
+        """After the handle failed with ModelUnavailableError: True once it answers again."""
+        return True
+
+    def active_requests(self) -> list[str]:
+        """The request ids it holds state for (operators' view; empty where it does not track them)."""
+        return []
+
+    def capabilities(self) -> dict:
+        """What the handle declares, as plain values (an actor sends it to the remote handle over it)."""
+        return dict(name=self.name, vocab_size=self.vocab_size, max_length=self.max_length,
+                    num_params=int(self.num_params), deterministic=bool(self.deterministic),
+                    proposes=bool(self.proposes), adaptive=bool(self.adaptive), specdec_head=self.specdec_head)
+
+
+class PerRequestHandle(BatchedHandle):
+    """The one adapter for handles whose work is per request anyway (the Max-Gram drafter, the tests' tabular
+    models): they write ``prefill`` / ``score`` (and ``propose`` / ``propose_adaptive`` where they declare
+    them), and the batched forms run them item by item, in order."""
+
+    @abstractmethod
+    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None: ...
+
+    @abstractmethod
+    def score(self, rid: str, draft: list[int]) -> torch.Tensor: ...
+
+    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
+        raise UnsupportedCallError(self.name, "propose")
+
+    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float, eos: int | None = None):
+        raise UnsupportedCallError(self.name, "propose_adaptive")
+
+    def prefill_batch(self, items) -> None:
+        for rid, ids, sampling, seed in items:
+            self.prefill(rid, ids, sampling, seed)
+
+    def score_batch(self, items) -> list[torch.Tensor]:
+        return [self.score(rid, list(draft)) for rid, draft in items]
+
+    def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
+        return [self.propose(rid, k) for rid, k in items]
+
+    def propose_adaptive_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
+        return [self.propose_adaptive(rid, *rest) for rid, *rest in items]
 
 
 class TextStream(Protocol):

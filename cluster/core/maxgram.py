@@ -21,7 +21,7 @@ Two readings of "copy what followed the match", named by ``occurrence`` and ``ma
   :data:`DEFAULT_MAX_NGRAM`-grams and a match that long is extended by comparing tokens backwards at each of
   its occurrences, so the longest match is found exactly).
 
-:class:`cluster.models.maxgram.MagHandle` exposes MaG through the :class:`cluster.core.interfaces.ModelHandle`
+:class:`cluster.models.maxgram.MagHandle` exposes MaG through the :class:`cluster.core.interfaces.BatchedHandle`
 interface, so a strategy treats it like any drafter: its proposals come with one-hot "distributions" (logits 0 for
 the proposed token, -inf elsewhere), so verification against it is exact speculative sampling with a
 deterministic drafter (accept x w.p. min(1, p(x)), recover from norm(max(0, p - onehot(x)))).

@@ -15,10 +15,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from cluster.core.calls import prefill, prefill_scored
+from cluster.core.calls import PrefillItem, prefill_scored
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS
-from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
@@ -43,12 +43,15 @@ class Engine(CallerDriven):
     sizes and KV budget; ``planner`` (optional) picks each step's draft lengths from load.
     """
 
-    def __init__(self, models: dict[str, ModelHandle], tokenizer: Tokenizer, *, target: str = "target",
+    def __init__(self, models: dict[str, BatchedHandle], tokenizer: Tokenizer, *, target: str = "target",
                  default_strategy: str = "speculative", defaults: dict[str, Any] | None = None,
                  max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None,
                  request_timeout_s: float | None = None, overlap: bool = False):
         if target not in models:
             raise ValueError(f"models must include the target {target!r}")
+        if undeclared := [n for n, h in models.items() if not isinstance(h, BatchedHandle)]:
+            raise TypeError(f"models {undeclared} are not BatchedHandles (cluster.core.interfaces; a per-request "
+                            "handle goes through PerRequestHandle)")
         self.models, self.tokenizer, self.target = dict(models), tokenizer, target
         drafters = {n: h for n, h in self.models.items() if n not in (target, DRAFTS)}
         if DRAFTS not in self.models and drafters:    # in-process: the draft side over the local drafters
@@ -62,8 +65,6 @@ class Engine(CallerDriven):
         self.planner = planner
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
-        # handles that queue bookkeeping (remote ones): sent once per step, outside the lock (see _flush)
-        self._flushers = [(n, h) for n, h in self.models.items() if callable(getattr(h, "flush", None))]
         self._fallback = REGISTRY["autoregressive"]({}, self.models, target)   # target-only steps
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
@@ -73,7 +74,7 @@ class Engine(CallerDriven):
         self._planned_at: float | None = None   # when the last planned step began, while its period runs
 
     @classmethod
-    def configured(cls, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, spec,
+    def configured(cls, models: dict[str, BatchedHandle], tokenizer: Tokenizer, target: str, spec,
                    planner=None) -> "Engine":
         """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
         return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
@@ -203,7 +204,7 @@ class Engine(CallerDriven):
     def _flush(self) -> None:
         """Send each remote model's queued bookkeeping (releases of ended requests among it): one call per
         model that has any, outside the engine lock, so one hung actor cannot stall admission."""
-        for name, h in self._flushers:
+        for name, h in self.models.items():
             try:
                 h.flush()
             except Exception as e:                       # noqa: BLE001 - a dead model must not stop the loop
@@ -223,8 +224,8 @@ class Engine(CallerDriven):
             items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
             scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
             try:
-                prefill(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed)
-                                            for s in items if s not in scored])
+                self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed)
+                                                 for s in items if s not in scored])
                 if scored:          # the prompt's logprobs from the forward that fills the target's cache
                     rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
                                                                s.req.seed) for s in scored])

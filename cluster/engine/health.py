@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from cluster.core.interfaces import ModelHandle
+from cluster.core.interfaces import BatchedHandle
 
 log = logging.getLogger("specserve.engine")
 
 
 class ModelHealth:
-    def __init__(self, models: dict[str, ModelHandle]):
+    def __init__(self, models: dict[str, BatchedHandle]):
         self.models = models
         self.down: set[str] = set()
 
@@ -30,8 +30,7 @@ class ModelHealth:
         """Probe the models that are down; returns the ones that answer again."""
         back = set()
         for name in list(self.down):
-            probe = getattr(self.models[name], "probe", None)
-            if probe is None or probe():
+            if self.models[name].probe():
                 back.add(name)
         if back:
             log.warning("model(s) %s answer again", ", ".join(sorted(back)))

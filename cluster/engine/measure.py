@@ -4,8 +4,8 @@ Both composition roots (:mod:`cluster.local` in-process, :mod:`cluster.serving.c
 :func:`build_planner` with the handles they give the engine, so the load-aware planner's prior is priced
 from what a step really pays: in-process forwards there, forwards plus actor round trips (and the queued
 rollbacks each call carries) through :class:`cluster.serving.remote.RemoteHandle`.  Only the handle
-protocol is used (``prefill_batch`` / ``score_batch`` / ``rollback`` / ``release``, or the single-request
-forms where a handle has no batched ones), so this module imports no model code.
+protocol is used (:class:`cluster.core.interfaces.BatchedHandle`: ``prefill_batch`` / ``score_batch`` /
+``rollback`` / ``release``), so this module imports no model code.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from functools import partial
 from typing import Mapping
 
-from cluster.core.calls import Draft, Score, prefill, run_group
+from cluster.core.calls import Draft, PrefillItem, Score, run_group
 from cluster.core.forward_cost import ForwardCost
 from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.sampling import SamplingParams
@@ -34,8 +34,8 @@ def _median_cells(handle, kind: type, rows, variants, make_call, context: int, i
     result = {}
     for r in rows:
         rids = [f"{prefix}{i}" for i in range(r)]
-        prefill(handle, [(rid, [gen.randrange(handle.vocab_size) for _ in range(context)], SamplingParams(), i)
-                         for i, rid in enumerate(rids)])
+        handle.prefill_batch([PrefillItem(rid, [gen.randrange(handle.vocab_size) for _ in range(context)],
+                                          SamplingParams(), i) for i, rid in enumerate(rids)])
         try:
             for v in variants:
                 calls = [(rid, make_call(v)) for rid in rids]
@@ -101,7 +101,7 @@ def measure_costs(handles: Mapping[str, object], target: str, drafters, *, rows=
     side = handles.get(DRAFTS)
     for name in dict.fromkeys([target, *drafters]):
         handle = handles.get(name)
-        if handle is None or getattr(handle, "deterministic", False):
+        if handle is None or handle.deterministic:
             continue
         if side is not None and name != target:
             per_token, per_call = draft_cost_grids(side, name, rows=rows, iters=iters,

@@ -10,7 +10,7 @@ import os
 import uuid
 from typing import Any
 
-from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.sampling import MAX_TEMPERATURE, SamplingParams
 from cluster.engine.request import (
     MAX_CHARS_PER_TOKEN,
@@ -33,7 +33,7 @@ from cluster.errors import ParamError, check_int, check_text
 from cluster.strategies import REGISTRY, resolve_options
 
 
-def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, *,
+def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer: Tokenizer, target: str, *,
             default_strategy: str, defaults: dict[str, Any], max_new_tokens_limit: int,
             vocab_size: int) -> PreparedRequest:
     """Validate ``req`` against the served models (raises :class:`ParamError` naming the field, the

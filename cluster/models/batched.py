@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.core.draft_stop import DraftStop
+from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.sampling import (
     Rng,
     SamplingParams,
@@ -49,8 +50,10 @@ class _Request:
     rng: Rng
 
 
-class BatchedHFWorker:
-    """Hosts one causal LM for many requests; see :class:`cluster.core.interfaces.ModelHandle`."""
+class BatchedHFWorker(BatchedHandle):
+    """Hosts one causal LM for many requests; see :class:`cluster.core.interfaces.BatchedHandle`."""
+
+    proposes = adaptive = True          # a neural drafter: samples its proposals (``deterministic`` stays False)
 
     def __init__(self, model: torch.nn.Module, name: str, *, max_length: int | None = None):
         self.model = model.eval()
@@ -60,7 +63,6 @@ class BatchedHFWorker:
         self.layout = attention_layout(cfg, type(model))     # ConfigError for what cannot be served exactly
         self.max_length = int(max_length or position_limit(cfg))
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.deterministic = False
         self.device = next(model.parameters()).device
         self._cache = SlotCache(self.layout.layer_types, self.max_length)
         self._requests: dict[str, _Request] = {}
@@ -168,7 +170,7 @@ class BatchedHFWorker:
         try:
             return self._requests[rid]
         except KeyError:
-            raise KeyError(f"{self.name}: unknown request {rid!r}") from None
+            raise UnknownRequestError(self.name, rid) from None
 
     def _drop(self, rid: str) -> None:               # caller holds the lock
         req = self._requests.pop(rid, None)

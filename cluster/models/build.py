@@ -20,7 +20,7 @@ import torch
 
 from cluster.config.paths import HEAD_DIR, default_bigram_path, zoo_dir
 from cluster.config.schema import Config, ModelSpec
-from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.errors import ConfigError
 from cluster.models.batched import BatchedHFWorker
 from cluster.models.maxgram import MagHandle, load_bigram
@@ -65,7 +65,7 @@ def checkpoint_dir(cfg: Config, name: str) -> Path:
     return out
 
 
-def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | None = None) -> ModelHandle:
+def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | None = None) -> BatchedHandle:
     """The handle for model ``name`` of ``cfg``: a :class:`BatchedHFWorker` (sharded over the current process
     group when ``tp_size > 1``), or the Max-Gram drafter for the ``mag:`` section's name (it needs the
     target's ``vocab_size``)."""
@@ -100,11 +100,11 @@ def model_vocab_size(cfg: Config, name: str) -> int:
     return int(conf.get_text_config().vocab_size)
 
 
-def build_handles(cfg: Config, names: list[str] | None = None) -> dict[str, ModelHandle]:
+def build_handles(cfg: Config, names: list[str] | None = None) -> dict[str, BatchedHandle]:
     """Handles for ``names`` (default: the target, every drafter and the Max-Gram drafter), target first."""
     if names is None:
         names = [cfg.target] + cfg.drafters + ([cfg.mag.name] if cfg.mag is not None else [])
-    handles: dict[str, ModelHandle] = {}
+    handles: dict[str, BatchedHandle] = {}
     for name in names:
         if name != (cfg.mag.name if cfg.mag is not None else None):
             handles[name] = build_handle(cfg, name)

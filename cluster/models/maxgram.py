@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cluster.core.interfaces import PerRequestHandle, UnknownRequestError
 from cluster.core.maxgram import DEFAULT_MAX_NGRAM, MaxGramIndex
 from cluster.core.sampling import SamplingParams, onehot_logits
 
@@ -24,8 +25,9 @@ def load_bigram(path: str | Path) -> np.ndarray:
 
 
 # -- MaG as a model handle ----------------------------------------------------------------------
-class MagHandle:
-    """The MaG drafter behind the :class:`cluster.core.interfaces.ModelHandle` interface.
+class MagHandle(PerRequestHandle):
+    """The MaG drafter behind the :class:`cluster.core.interfaces.BatchedHandle` interface (per-request work:
+    the batched forms come from :class:`cluster.core.interfaces.PerRequestHandle`).
 
     ``propose`` returns one-hot logits ``[k, V]`` (0 at the proposed token, -inf elsewhere) so the
     core verifies against a deterministic drafter; ``score`` returns MaG's one-hot prediction at each
@@ -34,6 +36,9 @@ class MagHandle:
     model with parameters equal to the tokenizer size"), so the standardized walltime improvement charges
     it (almost) nothing.
     """
+
+    deterministic = True          # one-hot proposals (see cluster.core.interfaces)
+    proposes = True
 
     def __init__(self, vocab_size: int, bigram: np.ndarray | None = None, *, name: str = "mag",
                  max_ngram: int = DEFAULT_MAX_NGRAM, max_length: int = 1 << 30, occurrence: str = "recent"):
@@ -45,7 +50,6 @@ class MagHandle:
             raise ValueError(f"mag: bigram table of {len(self.bigram)} entries does not match "
                              f"vocabulary size {self.vocab_size}")
         self.num_params = self.vocab_size
-        self.deterministic = True          # one-hot proposals (see cluster.core.interfaces)
         self.max_ngram, self.occurrence = max_ngram, occurrence       # see cluster.core.maxgram (0: uncapped)
         MaxGramIndex((), max_ngram, occurrence)                         # validates both
         self._requests: dict[str, MaxGramIndex] = {}
@@ -57,7 +61,7 @@ class MagHandle:
         try:
             return self._requests[rid]
         except KeyError:
-            raise KeyError(f"{self.name}: unknown request {rid!r}") from None
+            raise UnknownRequestError(self.name, rid) from None
 
     def prefill(self, rid: str, ids: list[int], sampling: SamplingParams | None = None, seed: int = 0) -> None:
         if not ids:
@@ -83,17 +87,6 @@ class MagHandle:
 
     def extend(self, rid: str, ids: list[int]) -> None:
         self._get(rid).extend(ids)
-
-    # batched forms (the engine's and the actor protocol's interface): MaG is per-request work anyway
-    def prefill_batch(self, items) -> None:
-        for rid, ids, sampling, seed in items:
-            self.prefill(rid, ids, sampling, seed)
-
-    def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
-        return [self.propose(rid, k) for rid, k in items]
-
-    def score_batch(self, items) -> list[torch.Tensor]:
-        return [self.score(rid, draft) for rid, draft in items]
 
     def release(self, rid: str) -> None:
         self._requests.pop(rid, None)

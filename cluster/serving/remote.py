@@ -1,4 +1,4 @@
-"""A :class:`cluster.core.interfaces.ModelHandle` over Ray actors, so the unchanged engine drives remote models.
+"""A :class:`cluster.core.interfaces.BatchedHandle` over Ray actors, so the unchanged engine drives remote models.
 
 The engine calls the batched forms once per step and model (``prefill_batch``, ``draft_batch``,
 ``score_batch``, ``propose_batch``, ``propose_adaptive_batch``); each becomes ONE Ray actor call
@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from actors.protocol import StateLostError, StepCall, expand_onehot, nbytes, unpack
+from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
 from cluster.errors import ModelUnavailableError
 
@@ -189,8 +190,9 @@ class CallTiming:
         return max(0.0, self.wall_s - self.compute_s)
 
 
-class RemoteHandle:
-    """ModelHandle whose model lives in an actor (or TP group); see the module docstring."""
+class RemoteHandle(BatchedHandle):
+    """BatchedHandle whose model lives in an actor (or TP group); see the module docstring.  ``info``: the
+    hosted handle's :meth:`cluster.core.interfaces.BatchedHandle.capabilities`, which it declares as its own."""
 
     def __init__(self, endpoint: Endpoint, info: dict, *, placement: str = "actor", member: str | None = None):
         self.endpoint, self.member = endpoint, member
@@ -198,11 +200,10 @@ class RemoteHandle:
         self.vocab_size = int(info["vocab_size"])
         self.max_length = int(info["max_length"])
         self.num_params = int(info["num_params"])
-        self.deterministic = bool(info.get("deterministic", False))   # declared by the hosted handle
+        self.deterministic, self.proposes = bool(info["deterministic"]), bool(info["proposes"])
+        self.adaptive, self.specdec_head = bool(info["adaptive"]), info["specdec_head"]
         self.placement = placement
         self.tp_size = len(endpoint.actors)
-        if info.get("specdec_head") is not None:       # a SpecDec++ drafter's acceptance head
-            self.specdec_head = info["specdec_head"]
         self.timing = CallTiming()
         self._ops: list[tuple[str, str, tuple]] = []
         self._lock = threading.Lock()
@@ -242,19 +243,6 @@ class RemoteHandle:
     def draft_batch(self, items) -> list:
         """The draft side's blocks (:class:`cluster.core.drafting.DraftBlock`), one round trip for the batch."""
         return self._call("draft_batch", items)
-
-    # -- single-request forms ---------------------------------------------------------------------
-    def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
-        self.prefill_batch([(rid, ids, sampling, seed)])
-
-    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
-        return self.propose_batch([(rid, k)])[0]
-
-    def score(self, rid: str, draft: list[int]) -> torch.Tensor:
-        return self.score_batch([(rid, draft)])[0]
-
-    def propose_adaptive(self, rid: str, k_max: int, head, threshold: float) -> tuple[list[int], torch.Tensor]:
-        return self.propose_adaptive_batch([(rid, k_max, head, threshold)])[0]
 
     def active_requests(self) -> list[str]:
         return self.endpoint.active_requests()

@@ -24,7 +24,7 @@ import torch
 
 from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
 from cluster.core.drafting import DRAFTS
-from cluster.core.interfaces import ModelHandle
+from cluster.core.interfaces import BatchedHandle
 from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.core.stats import RequestStats
@@ -70,7 +70,7 @@ class StepContext:
     """Everything a strategy's step may touch for one request."""
 
     rid: str
-    models: dict[str, ModelHandle]
+    models: dict[str, BatchedHandle]
     target_name: str
     sampling: SamplingParams
     rng: Rng
@@ -84,7 +84,7 @@ class StepContext:
     step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
 
     @property
-    def target(self) -> ModelHandle:
+    def target(self) -> BatchedHandle:
         return self.models[self.target_name]
 
     def probs(self, logits: torch.Tensor, sampling: SamplingParams | None = None) -> torch.Tensor:
@@ -115,7 +115,7 @@ class Strategy:
     lossless: ClassVar[bool] = True
     load_aware: bool = False       # True: the engine's planner chooses the draft length (ctx.planned_k)
 
-    def __init__(self, opts: dict[str, Any], models: dict[str, ModelHandle], target: str):
+    def __init__(self, opts: dict[str, Any], models: dict[str, BatchedHandle], target: str):
         self.opts, self.models, self.target_name = opts, models, target
 
     def roles(self) -> list[str]:
@@ -140,7 +140,7 @@ class Strategy:
         return [n for n in self.models if n not in (self.target_name, DRAFTS)]
 
     def check_drafter(self, name: str, option: str = "drafter") -> str:
-        drafters = [n for n in self.drafter_names() if hasattr(self.models[n], "propose")]
+        drafters = [n for n in self.drafter_names() if self.models[n].proposes]
         if name not in drafters:
             raise ParamError(option, "one of " + ", ".join(drafters), name)
         return name

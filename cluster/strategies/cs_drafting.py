@@ -159,7 +159,7 @@ class CSDrafting(Strategy):
 
     def _default_drafters(self) -> tuple[str, ...]:
         neural = sorted((n for n in self.drafter_names() if not _is_mag(self.models[n])),
-                        key=lambda n: -getattr(self.models[n], "num_params", 0))
+                        key=lambda n: -self.models[n].num_params)
         mags = [n for n in self.drafter_names() if _is_mag(self.models[n])]
         return tuple(neural + mags[:1])
 
@@ -174,4 +174,4 @@ class CSDrafting(Strategy):
 
 def _is_mag(handle) -> bool:
     """A deterministic drafter (the Max-Gram drafter), by its declared capability."""
-    return bool(getattr(handle, "deterministic", False))
+    return handle.deterministic

@@ -18,16 +18,13 @@ from cluster.strategies.speculative import (
     speculative_step,
 )
 
-MAG_NAME = "mag"
-
 
 def find_mag(models) -> str:
-    """The name of the served MaG drafter (config section ``mag``): the deterministic drafter."""
+    """The name of the served MaG drafter (config section ``mag``), by its declared capability only: the
+    deterministic drafter."""
     for name, m in models.items():
-        if getattr(m, "deterministic", False):
+        if m.deterministic:
             return name
-    if MAG_NAME in models:
-        return MAG_NAME
     raise ParamError("strategy", "a config with a `mag:` section (the Max-Gram drafter is not served)",
                      ", ".join(n for n in models if n != DRAFTS))
 

@@ -43,15 +43,15 @@ class SpecDecPP(Strategy):
         else:                                                        # the head's name picks its drafter
             self.drafter = self.check_drafter(head, "head")
         handle = models[self.drafter]
-        if not hasattr(handle, "propose_adaptive"):
-            raise ParamError("drafter", "a neural drafter (with propose_adaptive)", self.drafter)
+        if not handle.adaptive:
+            raise ParamError("drafter", "a neural drafter (with propose_adaptive_batch)", self.drafter)
         self.head = self.head_by_name(head or self.drafter)
         self.k_max, self.threshold = opts["k_max"], opts["threshold"]
         self.verify = VERIFIERS[opts["verify"]]
 
     def served_heads(self) -> dict[str, str]:
         """Drafter name -> its acceptance head, for the served drafters that carry one."""
-        return {n: h for n in self.drafter_names() if (h := getattr(self.models[n], "specdec_head", None))}
+        return {n: h for n in self.drafter_names() if (h := self.models[n].specdec_head)}
 
     def head_by_name(self, name: str) -> str:
         """The head of drafter ``name``, which must be the chosen drafter and carry a built head."""

@@ -115,7 +115,7 @@ def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():
 def test_spec_change_or_a_rejection_drops_the_predraft():
     d = TabularModel("d", 4, seed=2)
     side = DraftSide({"d": d}, overlap=True)
-    side.prefill("r", [0, 1], SamplingParams(0.0), 0)
+    side.prefill_batch([("r", [0, 1], SamplingParams(0.0), 0)])
     spec = DraftSpec("propose", ("d",))
     (block,) = side.draft_batch([("r", spec, 2, 10)])
     assert side._reqs["r"].pre is not None and side._reqs["r"].pre.expect[:4] == [0, 1, *block.tokens]

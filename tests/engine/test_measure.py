@@ -3,6 +3,7 @@ handle protocol (batched or single-request forms), measured now or on first use,
 from types import SimpleNamespace
 
 from cluster.config.schema import load_config
+from cluster.core.interfaces import PerRequestHandle
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
@@ -12,8 +13,8 @@ from cluster.family import ensure_built
 from cluster.local import build_engine
 
 
-class SingleFormHandle:
-    """A handle with only the single-request forms (no *_batch): the measurement falls back to them."""
+class SingleFormHandle(PerRequestHandle):
+    """A handle written in per-request forms (batched by the one adapter): the measurement drives it."""
 
     def __init__(self, name="m", deterministic=False):
         self.name, self.vocab_size, self.max_length, self.deterministic = name, 16, 64, deterministic
@@ -29,6 +30,9 @@ class SingleFormHandle:
 
     def rollback(self, rid, length):
         self.live[rid] = length
+
+    def extend(self, rid, ids):
+        self.live[rid] += len(ids)
 
     def release(self, rid):
         self.live.pop(rid, None)

@@ -15,6 +15,7 @@ CI runs SPECSERVE_FUZZ_EXAMPLES=400 requests by default (45% gRPC, 45% HTTP, 10%
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import math
 import os
@@ -512,14 +513,12 @@ def test_smallest_temperature_is_served(tiny_engine):
     assert len(out.token_ids) == 4
 
 
-class _WithHead:
-    """A drafter handle that carries a built acceptance head (as the builder sets ``specdec_head``)."""
-
-    def __init__(self, handle, head):
-        self._handle, self.specdec_head = handle, head
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
+def _with_head(handle, head):
+    """The drafter handle carrying a built acceptance head (as the builder sets ``specdec_head``): a shallow
+    copy sharing the model and its requests."""
+    out = copy.copy(handle)
+    out.specdec_head = head
+    return out
 
 
 @pytest.fixture
@@ -529,7 +528,7 @@ def head_models(tiny_engine, tmp_path):
     hidden = tiny_engine.models["drafter-large"].model.config.hidden_size
     head_dir = save_head(AcceptanceHead(hidden, depth=1).eval(), tmp_path / "head")
     models = dict(tiny_engine.models)
-    models["drafter-large"] = _WithHead(models["drafter-large"], str(head_dir))
+    models["drafter-large"] = _with_head(models["drafter-large"], str(head_dir))
     return models, str(head_dir)
 
 

@@ -14,6 +14,7 @@ from tests.support.exact import TabularModel
 
 class AdaptiveTabular(TabularModel):
     specdec_head = "constant"            # what SpecDecPP looks up by drafter name
+    adaptive = True
 
     def __init__(self, name: str, vocab: int, seed: int, accept: float, **kw):
         super().__init__(name, vocab, seed, **kw)

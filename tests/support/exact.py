@@ -13,6 +13,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from cluster.core.interfaces import PerRequestHandle
+
 
 class EnumRng:
     """An Rng that follows a fixed branch path, then takes branch 0 and records the alternatives."""
@@ -71,12 +73,15 @@ def random_dist(rng: np.random.Generator, vocab: int, zeros: bool) -> np.ndarray
     return p
 
 
-class TabularModel:
-    """A ModelHandle whose next-token distribution is a seeded random table of the whole prefix.
+class TabularModel(PerRequestHandle):
+    """A model handle whose next-token distribution is a seeded random table of the whole prefix (per-request
+    forms, batched by :class:`cluster.core.interfaces.PerRequestHandle` as every test double is).
 
     ``propose`` draws from the shared ``rng`` the test gives it (an :class:`EnumRng` when
     enumerating), so the drafter's randomness is enumerated too.
     """
+
+    proposes = True
 
     def __init__(self, name: str, vocab: int, seed: int, zeros: bool = False, rng=None):
         self.name, self.vocab_size, self.max_length, self.num_params = name, vocab, 64, 1
@@ -261,7 +266,7 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
         every = {**models, **side}
         strategy = REGISTRY[name](opts, every, target)
         for h in every.values():
-            h.prefill("r", prompt, sampling, 0)
+            h.prefill_batch([("r", prompt, sampling, 0)])
         ctx = StepContext("r", every, target, sampling, rng, RequestStats(), list(prompt), budget)
         out = []
         while len(out) < n:

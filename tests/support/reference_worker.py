@@ -1,7 +1,7 @@
 """The single-request reference worker the batched worker is tested against (tests only).
 
 A Hugging Face causal LM with one ``DynamicCache`` per request and one forward per request: an independent
-implementation of :class:`cluster.core.interfaces.ModelHandle` over transformers' own cache, so the slot
+implementation of :class:`cluster.core.interfaces.BatchedHandle` over transformers' own cache, so the slot
 cache of :class:`cluster.models.batched.BatchedHFWorker` can be held to its logits (1e-4) and RNG streams.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class _Request:
 
 
 class HFWorker:
-    """Hosts one causal LM; all calls are per request id (see :class:`cluster.core.interfaces.ModelHandle`)."""
+    """Hosts one causal LM; all calls are per request id (see :class:`cluster.core.interfaces.BatchedHandle`)."""
 
     def __init__(self, model: torch.nn.Module, name: str, *, max_length: int | None = None):
         self.model = model.eval()
