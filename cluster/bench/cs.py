@@ -35,7 +35,8 @@ from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
 from cluster.family.bigram import ensure_bigram
-from cluster.models.build import build_handles, load_tokenizer
+from cluster.local import build_engine
+from cluster.models.build import build_handle, model_vocab_size
 from cluster.models.maxgram import MagHandle
 
 PAPER_MAG = "mag-paper"         # the Max-Gram drafter read the paper's way: first occurrence, no match cap
@@ -53,10 +54,9 @@ def paper_engine(cfg) -> Engine:
     """The in-process engine over ``cfg``'s models plus :data:`PAPER_MAG`, a second Max-Gram drafter over the
     same bigram table that copies after the *first* earlier occurrence of the longest suffix match, of any
     length (Chen et al., CS Drafting, appendix A), beside the config's (most recent, capped at 24)."""
-    handles = build_handles(cfg)
-    mag = handles[cfg.mag.name]
-    handles[PAPER_MAG] = MagHandle(mag.vocab_size, mag.bigram, name=PAPER_MAG, occurrence="first", max_ngram=0)
-    return Engine.configured(handles, load_tokenizer(cfg), cfg.target, cfg.engine)
+    mag = build_handle(cfg, cfg.mag.name, vocab_size=model_vocab_size(cfg, cfg.target))
+    return build_engine(cfg, extra={PAPER_MAG: MagHandle(mag.vocab_size, mag.bigram, name=PAPER_MAG,
+                                                          occurrence="first", max_ngram=0)})
 
 
 class Runner:

@@ -78,6 +78,11 @@ class EngineSpec:
     # (no concurrency there: for tests), off = never
     overlap: str = "auto"
 
+    def overlap_on(self, draft_side_remote: bool) -> bool:
+        """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
+        (``auto``, ``on``), also in-process (``on``), never (``off``)."""
+        return self.overlap == "on" or (self.overlap == "auto" and draft_side_remote)
+
     @property
     def capacity(self) -> int:
         """Requests one engine admits at once (running + queued)."""

@@ -1,15 +1,15 @@
 """The model calls a step yields, and running a group of them as one batched call on a handle.
 
 A strategy's step (and a draft program, :mod:`cluster.core.drafting`) is a generator that yields these
-calls and receives their results; whoever drives it (the engine, or the draft side for many requests)
-groups the calls of many requests per (model, kind) (:func:`group_calls`), runs each group as ONE batched
-call (:func:`run_group`) and sends each result back into its generator (:func:`advance`).
+calls and receives their results.  :func:`drive` is the one loop that runs many of them (the engine's step,
+the draft side's programs): it groups their calls per (model, kind) (:func:`group_calls`), runs each group as
+ONE batched call (:func:`run_group`) and sends each result back into its generator (:func:`advance`).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
@@ -162,3 +162,41 @@ def advance(key, gen, value, pending: dict, done: dict) -> None:
         done[key] = stop.value
     except Exception as e:                               # noqa: BLE001 - an error fails its own request
         done[key] = e
+
+
+def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str], *, target: str | None = None,
+          group_failed: Callable[[str, Exception], None] | None = None,
+          redo: Callable[[Hashable, str, BaseException], Any] | None = None) -> dict[Hashable, Any]:
+    """Run the generators ``gens`` (key -> generator of model calls) to their end together; -> key -> the
+    generator's return value, or the exception that failed it.
+
+    Each round runs every pending call grouped per (model, kind) as one batched call on ``handles[model]``
+    (``target``: see :func:`group_calls`).  A group whose call raises fails its generators; ``group_failed``
+    (model, error) hears of it first, once per group, and may raise to stop everything.  A generator whose
+    result is an exception is closed, and ``redo(key, model, error)`` may hand a fresh generator to run in its
+    place (None: it fails with that error)."""
+    pending: dict = {}
+    done: dict = {}
+    for key, gen in gens.items():
+        advance(key, gen, None, pending, done)
+    while pending:
+        for (model, kind), keys in group_calls(pending, target).items():
+            try:
+                results = run_group(handles[model], kind, [(rid_of(k), pending[k]) for k in keys])
+            except Exception as e:                       # noqa: BLE001 - fails this group's generators only
+                if group_failed is not None:
+                    group_failed(model, e)
+                results = [e] * len(keys)
+            for key, result in zip(keys, results):
+                del pending[key]
+                if not isinstance(result, BaseException):
+                    advance(key, gens[key], result, pending, done)
+                    continue
+                gens[key].close()
+                again = redo(key, model, result) if redo is not None else None
+                if again is None:
+                    done[key] = result
+                else:
+                    gens[key] = again
+                    advance(key, again, None, pending, done)
+    return done

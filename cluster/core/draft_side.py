@@ -29,8 +29,9 @@ tokens in every runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from cluster.core.calls import PrefillItem, advance, group_calls, run_group
+from cluster.core.calls import DraftItem, PrefillItem, drive
 from cluster.core.drafting import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError, UnsupportedCallError
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
@@ -44,6 +45,22 @@ class _Pre:
     expect: list[int]
     spec: DraftSpec
     block: DraftBlock            # starts at the bonus guess g (token 0)
+
+
+class _Run(NamedTuple):
+    """One draft program to run: ``key`` orders the answers."""
+
+    key: int
+    rid: str
+    spec: DraftSpec
+    work: list[int]              # [W] tokens past the committed sequence the program continues (a guessed block)
+    limit: int                   # at most this many tokens
+
+
+def _gone(model: str, error: Exception) -> None:
+    """A drafter that is gone takes the whole draft side down (the engine then marks it down)."""
+    if isinstance(error, ModelUnavailableError):
+        raise error
 
 
 @dataclass
@@ -93,7 +110,7 @@ class DraftSide(BatchedHandle):
         self.max_length = min(h.max_length for h in self.members.values())
         self.num_params = sum(int(h.num_params) for h in self.members.values())
         self._reqs: dict[str, _Req] = {}
-        self._todo: list[tuple[str, DraftSpec, int, int, DraftBlock]] = []   # blocks to pre-draft after
+        self._todo: list[tuple[DraftItem, DraftBlock]] = []   # the last call's answered blocks, to pre-draft after
         self.hits = self.misses = 0            # pre-drafted blocks used / dropped
 
     # -- the handle protocol ------------------------------------------------------------------------
@@ -149,14 +166,14 @@ class DraftSide(BatchedHandle):
                 out[i] = pre.block.tail(1, limit)        # the drafters already hold it
             else:
                 self.misses += pre is not None
-                todo.append((i, rid, spec, [], limit))
-        for (i, *_), block in zip(todo, self._run(todo)):
-            out[i] = block
+                todo.append(_Run(i, rid, spec, [], limit))
+        for run, block in zip(todo, self._run(todo)):
+            out[run.key] = block
         ok = [(item, b) for item, b in zip(items, out) if isinstance(b, DraftBlock)]
         for (rid, *_), block in ok:
             self._get(rid).last = list(block.tokens)
         if self.overlap:
-            self._todo = [(rid, spec, limit, budget, b) for (rid, spec, limit, budget), b in ok]
+            self._todo = [(DraftItem(*item), b) for item, b in ok]
             if not self.deferred:
                 self.predraft()
         return out
@@ -165,17 +182,17 @@ class DraftSide(BatchedHandle):
         """Draft the next block of every request of the last call (see the module docstring)."""
         todo, self._todo = self._todo, []
         runs = []
-        for rid, spec, limit, budget, block in (todo if len(todo) <= self.MAX_ROWS else []):
+        for (rid, spec, limit, budget), block in (todo if len(todo) <= self.MAX_ROWS else []):
             st = self._reqs.get(rid)
             nxt = min(limit, budget - len(block.tokens) - 2)   # the next step's limit if all is accepted
             if st is None or not block.tokens or nxt < 1 or st.last != block.tokens or \
                     not (self.sampled or st.sampling.greedy) or not st.worth_predrafting(self.MIN_HIT, self.PROBE_EVERY):
                 continue
-            runs.append((len(runs), rid, spec, list(block.tokens), nxt + 1))
-        for (_, rid, spec, work, _), pre in zip(runs, self._run(runs)):
-            st = self._reqs[rid]
+            runs.append(_Run(len(runs), rid, spec, list(block.tokens), nxt + 1))
+        for run, pre in zip(runs, self._run(runs)):
+            st = self._reqs[run.rid]
             if isinstance(pre, DraftBlock) and pre.tokens:
-                st.pre = _Pre(st.seq + work + pre.tokens[:1], spec, pre)
+                st.pre = _Pre(st.seq + run.work + pre.tokens[:1], run.spec, pre)
 
     @property
     def pending(self) -> bool:
@@ -189,45 +206,31 @@ class DraftSide(BatchedHandle):
         except KeyError:
             raise UnknownRequestError(DRAFTS, rid) from None
 
-    def _run(self, runs) -> list:
-        """Run the programs of ``runs`` = [(key, rid, spec, work, limit)] together; in order, a block or the
+    def _run(self, runs: list[_Run]) -> list:
+        """Run the programs of ``runs`` together; in order, a block or the
         exception that failed that request (a drafter's or a program's error fails only the requests it
         touched; a drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down)."""
-        done: dict = self._prefill_members(runs)
-        gens, pending = {}, {}
-        for key, rid, spec, work, limit in runs:
-            if key in done:
-                continue
-            st = self._reqs[rid]
-            dc = DraftCtx(rid, self.members, st.sampling, st.rng, self._syncer(st, rid), self._holder(st))
-            gens[key] = (rid, run_program(spec, dc, work, limit))
-            advance(key, gens[key][1], None, pending, done)
-        while pending:
-            for (model, kind), keys in group_calls(pending).items():
-                try:
-                    results = run_group(self.members[model], kind, [(gens[k][0], pending[k]) for k in keys])
-                except ModelUnavailableError:
-                    raise
-                except Exception as e:                   # noqa: BLE001 - fails this group's requests only
-                    results = [e] * len(keys)
-                for key, result in zip(keys, results):
-                    del pending[key]
-                    if isinstance(result, BaseException):
-                        gens[key][1].close()
-                        done[key] = result
-                    else:
-                        advance(key, gens[key][1], result, pending, done)
-        return [done[key] for key, *_ in runs]
+        failed = self._prefill_members(runs)
+        gens, rids = {}, {}
+        for run in runs:
+            if run.key not in failed:
+                st = self._reqs[run.rid]
+                dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
+                              self._holder(st))
+                gens[run.key], rids[run.key] = run_program(run.spec, dc, run.work, run.limit), run.rid
+        done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone)}
+        return [done[run.key] for run in runs]
 
     def _prefill_members(self, runs) -> dict:
         """Prefill, batched per drafter, the drafters a run needs and its request has not used yet; returns
         {key: exception} for the runs whose prefill failed."""
         need: dict[str, list] = {}
-        for key, rid, spec, _, _ in runs:
-            st = self._reqs[rid]
-            for name in spec.drafters:
+        for run in runs:
+            st = self._reqs[run.rid]
+            for name in run.spec.drafters:
                 if name not in st.held:
-                    need.setdefault(name, []).append((key, PrefillItem(rid, list(st.seq), st.sampling, st.seed)))
+                    need.setdefault(name, []).append((run.key, PrefillItem(run.rid, list(st.seq), st.sampling,
+                                                                           st.seed)))
         failed = {}
         for name, items in need.items():
             try:

@@ -16,9 +16,8 @@ import time
 from typing import Any, Callable
 
 from cluster.core.calls import PrefillItem, prefill_scored
-from cluster.core.draft_side import DraftSide
-from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import BatchedHandle, Tokenizer
+from cluster.core.model_set import ModelSet
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
@@ -38,24 +37,17 @@ log = logging.getLogger("specserve.engine")
 class Engine(CallerDriven):
     """Runs any registered strategy, for many requests at once, over a set of model handles.
 
-    ``models`` maps names to handles and must contain ``target``; ``defaults`` holds default strategy
-    options (from the config), ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue
-    sizes and KV budget; ``planner`` (optional) picks each step's draft lengths from load.
+    ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
+    engine builds none of it); ``defaults`` holds default strategy options (from the config),
+    ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue sizes and KV budget;
+    ``planner`` (optional) picks each step's draft lengths from load.
     """
 
-    def __init__(self, models: dict[str, BatchedHandle], tokenizer: Tokenizer, *, target: str = "target",
-                 default_strategy: str = "speculative", defaults: dict[str, Any] | None = None,
-                 max_new_tokens_limit: int = 1024, rng_factory=Rng, limits: Limits = Limits(), planner=None,
-                 request_timeout_s: float | None = None, overlap: bool = False):
-        if target not in models:
-            raise ValueError(f"models must include the target {target!r}")
-        if undeclared := [n for n, h in models.items() if not isinstance(h, BatchedHandle)]:
-            raise TypeError(f"models {undeclared} are not BatchedHandles (cluster.core.interfaces; a per-request "
-                            "handle goes through PerRequestHandle)")
-        self.models, self.tokenizer, self.target = dict(models), tokenizer, target
-        drafters = {n: h for n, h in self.models.items() if n not in (target, DRAFTS)}
-        if DRAFTS not in self.models and drafters:    # in-process: the draft side over the local drafters
-            self.models[DRAFTS] = DraftSide(drafters, overlap=overlap, rng_factory=rng_factory)
+    def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
+                 defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
+                 limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None):
+        self.models: dict[str, BatchedHandle] = dict(models.handles)
+        self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
         self.defaults = dict(defaults or {})
         self.max_new_tokens_limit = max_new_tokens_limit
@@ -65,7 +57,7 @@ class Engine(CallerDriven):
         self.planner = planner
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
-        self._fallback = REGISTRY["autoregressive"]({}, self.models, target)   # target-only steps
+        self._fallback = REGISTRY["autoregressive"]({}, self.models, self.target)   # target-only steps
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
         self._live: dict[str, Sequence] = {}
         self._aborted: set[str] = set()
@@ -74,13 +66,12 @@ class Engine(CallerDriven):
         self._planned_at: float | None = None   # when the last planned step began, while its period runs
 
     @classmethod
-    def configured(cls, models: dict[str, BatchedHandle], tokenizer: Tokenizer, target: str, spec,
-                   planner=None) -> "Engine":
+    def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec, planner=None) -> "Engine":
         """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
-        return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
+        return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens),
-                   request_timeout_s=spec.request_timeout_s, overlap=spec.overlap == "on")
+                   request_timeout_s=spec.request_timeout_s)
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:

@@ -48,11 +48,10 @@ class Coordinator:
         included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.topology
-        self.entries, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
-        handles = {n: e.handle for n, e in self.entries.items()}
+        self.entries, models, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
         if planner is None:    # the in-process root's planner, its costs measured through these handles
-            planner = build_planner(handles, cfg.target, cfg.drafters, cfg.engine)
-        self.engine = Engine.configured(handles, self.tokenizer, cfg.target, cfg.engine, planner=planner)
+            planner = build_planner(models.handles, cfg.target, cfg.drafters, cfg.engine)
+        self.engine = Engine.configured(models, self.tokenizer, cfg.engine, planner=planner)
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics
@@ -190,8 +189,7 @@ class Coordinator:
         """KV positions the unit's running requests may reserve: ``engine.kv_budget_tokens``, else
         ``max_batch`` rows of the target's full length."""
         budget = self.cfg.engine.kv_budget_tokens
-        return budget or self.max_batch * max(1, int(getattr(self.engine.models[self.cfg.target], "max_length", 0)
-                                                     or 1))
+        return budget or self.max_batch * max(1, int(self.engine.models[self.cfg.target].max_length))
 
     def _record(self, seq: Sequence, admitted: float, timeline: Timeline | None = None) -> None:
         outcome = {"error": "error", "cancelled": "cancelled", "deadline": "deadline"}.get(seq.finish, "ok")
@@ -242,7 +240,7 @@ class Coordinator:
 
     def active_requests(self) -> dict[str, list[str]]:
         """Per model, the request ids holding state there (asks the actors)."""
-        return {n: list(getattr(e.handle, "active_requests", list)()) for n, e in self.entries.items()}
+        return {n: list(e.handle.active_requests()) for n, e in self.entries.items()}
 
     def timings(self) -> dict:
         return {n: e.handle.timing for n, e in self.entries.items() if e.placement != "local"}

@@ -18,6 +18,7 @@ from actors.model_actor import start_model_actor
 from actors.tp import start_tp_group
 from cluster.config.schema import Config
 from cluster.core.drafting import DRAFTS
+from cluster.core.model_set import ModelSet
 from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
 from cluster.serving.remote import Endpoint, RemoteHandle
 
@@ -33,7 +34,8 @@ class ModelEntry:
 
 
 def build_unit(cfg: Config, topology: str | None = None):
-    """Start the actors of one unit; returns (entries by name, tokenizer, endpoints to kill)."""
+    """Start the actors of one unit; returns (entries by name, the engine's :class:`ModelSet`, tokenizer,
+    endpoints to kill)."""
     import ray
 
     cl = cfg.cluster
@@ -57,7 +59,7 @@ def build_unit(cfg: Config, topology: str | None = None):
     if separated and (cfg.drafters or cfg.mag is not None):     # every drafter in one draft-group actor
         vocab = model_vocab_size(cfg, cfg.target)     # the Max-Gram table's, from the config alone
         actor = start_draft_actor(cfg, list(cfg.drafters), vocab, threads=cl.drafters.threads,
-                                  overlap=cfg.engine.overlap != "off", **cl.drafters.ray_options())
+                                  overlap=cfg.engine.overlap_on(draft_side_remote=True), **cl.drafters.ray_options())
         started[DRAFTS] = ([actor], None, "actor")
     elif not separated:
         for name in cfg.drafters:
@@ -80,4 +82,8 @@ def build_unit(cfg: Config, topology: str | None = None):
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
                                            build_handle(cfg, cfg.mag.name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
-    return ordered, load_tokenizer(cfg), endpoints
+    models = ModelSet.assemble({n: e.handle for n, e in ordered.items()}, cfg.target,
+                               overlap=cfg.engine.overlap_on(draft_side_remote=False))
+    if DRAFTS not in ordered and models.draft_side is not None:          # colocated: the draft side in-process
+        ordered[DRAFTS] = ModelEntry(DRAFTS, "draft-side", "local", models.draft_side)
+    return ordered, models, load_tokenizer(cfg), endpoints

@@ -9,7 +9,7 @@ import torch
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS, DraftSpec, pack_block
 from cluster.core.sampling import SamplingParams, logits_to_probs
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import resolve_options
@@ -78,7 +78,7 @@ def test_overlap_batched_engine_is_exact_per_request():
     holder = {}
     target, d = TabularModel("target", 3, seed=21), TabularModel("d", 3, seed=22, zeros=True)
     side = DraftSide({"d": d}, overlap=True, rng_factory=lambda s: holder["rng"], sampled=True)
-    engine = Engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"])
     sampling, greedy = SamplingParams(1.0), SamplingParams(0.0)
     want_greedy = target_joint(target, [2, 1], 3, greedy)
 
@@ -101,9 +101,9 @@ def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():
     token, so every block after the first was drafted ahead (a hit) and nothing is drafted twice."""
     target, twin = TabularModel("target", 5, seed=9), TabularModel("twin", 5, seed=9)
     side = DraftSide({"twin": twin}, overlap=True)
-    engine = Engine({"target": target, "twin": twin, DRAFTS: side}, VocabTokenizer(5))
+    engine = local_engine({"target": target, "twin": twin, DRAFTS: side}, VocabTokenizer(5))
     req = dict(prompt_ids=[1, 2], max_new_tokens=25, sampling=SamplingParams(0.0), seed=0)
-    want = Engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
         GenerationRequest(strategy="autoregressive", **req)).token_ids
     got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "twin", "k": 4}, **req))
     assert got.token_ids == want

@@ -98,7 +98,7 @@ def test_mag_strategy_greedy_equals_target(tiny_mag_engine):
 def test_mag_exact_under_sampling():
     """MaG drafting on a tabular target over 3 tokens: the output is exactly the target's joint."""
     from cluster.core.sampling import SamplingParams
-    from cluster.engine.engine import Engine
+    from tests.support.exact import local_engine
     from cluster.engine.request import GenerationRequest
     from tests.support.exact import (
         TabularModel,
@@ -110,7 +110,7 @@ def test_mag_exact_under_sampling():
     target = TabularModel("target", 4, seed=5)
     mag = MagHandle(4, np.array([1, 2, 3, 0]))
     holder = {}
-    engine = Engine({"target": target, "mag": mag}, VocabTokenizer(4), rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "mag": mag}, VocabTokenizer(4), rng_factory=lambda s: holder["rng"])
 
     def run(rng):
         holder["rng"] = rng

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cluster.core.maxgram import MaxGramIndex, brute_force_predict
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from tests.support.exact import (
@@ -62,7 +62,7 @@ def test_mag_strategy_exact_for_both_readings(occurrence, max_ngram):
     target = TabularModel("target", 3, seed=15)
     mag = MagHandle(3, np.array([1, 2, 0]), max_ngram=max_ngram, occurrence=occurrence)
     holder = {}
-    engine = Engine({"target": target, "mag": mag}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "mag": mag}, VocabTokenizer(3), rng_factory=lambda s: holder["rng"])
 
     def run(rng):
         holder["rng"] = rng

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.core.cascade_targets import cascade_target, lossy_target
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits
 from cluster.models.maxgram import MagHandle
@@ -85,7 +85,7 @@ def _joint(models, limits, reqs):
 
     def run(rng):
         holder["rng"] = models["d"].rng = models["small"].rng = rng
-        engine = Engine(models, VocabTokenizer(V), rng_factory=lambda seed: holder["rng"], limits=limits)
+        engine = local_engine(models, VocabTokenizer(V), rng_factory=lambda seed: holder["rng"], limits=limits)
         seqs, steps = {}, 0
         while len(seqs) < len(reqs) or engine.has_work:
             for rid, prompt, n, sampling, strategy, options, _, late in reqs:
@@ -140,7 +140,7 @@ def test_generate_many_is_exact_and_independent():
 
     def run(rng):
         holder["rng"] = models["d"].rng = rng
-        engine = Engine(models, VocabTokenizer(V), rng_factory=lambda seed: holder["rng"])
+        engine = local_engine(models, VocabTokenizer(V), rng_factory=lambda seed: holder["rng"])
         res = engine.generate_many([GenerationRequest(prompt_ids=p, max_new_tokens=n, sampling=s, seed=i,
                                                       strategy="speculative", options=dict(drafter="d", **o),
                                                       request_id=rid)

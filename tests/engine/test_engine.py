@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.support.exact import TabularModel, VocabTokenizer
@@ -107,7 +107,7 @@ def test_eos_ends_generation():
     drafter = TabularModel("drafter", vocab, seed=2)
     from cluster.core.sampling import Rng
     drafter.rng = Rng(0)
-    engine = Engine({"target": target, "drafter": drafter}, Tok(vocab))
+    engine = local_engine({"target": target, "drafter": drafter}, Tok(vocab))
     reasons = []
     for seed in range(20):
         res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=30, seed=seed,

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError
 from tests.support.exact import (
@@ -77,7 +77,7 @@ def test_dead_drafter_keeps_the_target_distribution_exactly():
     holder = {}
     target = TabularModel("target", V, seed=11)
     drafter = Flaky("d", V, seed=12, zeros=True)
-    engine = Engine({"target": target, "d": drafter}, VocabTokenizer(V), rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(V), rng_factory=lambda s: holder["rng"])
     sampling = SamplingParams(1.0)
 
     def run(rng):
@@ -105,8 +105,8 @@ def test_drafter_comes_back_requests_are_prefilled_and_speculate_again():
     target = TabularModel("target", V, seed=3)
     drafter = Flaky("d", V, seed=3)                      # the same table as the target: drafts accepted
     greedy = SamplingParams(0.0)
-    engine = Engine({"target": target, "d": drafter}, VocabTokenizer(V))
-    ref = Engine({"target": TabularModel("target", V, seed=3)}, VocabTokenizer(V))
+    engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(V))
+    ref = local_engine({"target": TabularModel("target", V, seed=3)}, VocabTokenizer(V))
     want = ref.generate(GenerationRequest(prompt_ids=[0, 1], max_new_tokens=12, sampling=greedy, seed=1,
                                           strategy="autoregressive")).token_ids
     seq = engine.add(_req("r", 12, greedy))
@@ -131,7 +131,7 @@ def test_drafter_comes_back_requests_are_prefilled_and_speculate_again():
 
 def test_dead_target_fails_requests_refuses_new_ones_until_it_answers():
     target = Flaky("target", V, seed=5)
-    engine = Engine({"target": target}, VocabTokenizer(V))
+    engine = local_engine({"target": target}, VocabTokenizer(V))
     greedy = SamplingParams(0.0)
     seq = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=5, sampling=greedy, strategy="autoregressive"))
     engine.step()
@@ -148,7 +148,7 @@ def test_dead_target_fails_requests_refuses_new_ones_until_it_answers():
 
 def test_deadline_ends_the_request_and_frees_its_state():
     target, drafter = TabularModel("target", V, seed=1), TabularModel("d", V, seed=2)
-    engine = Engine({"target": target, "d": drafter}, VocabTokenizer(V), request_timeout_s=60.0)
+    engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(V), request_timeout_s=60.0)
     slow = engine.add(_req("slow", 20, SamplingParams(0.0)))
     other = engine.add(_req("other", 3, SamplingParams(0.0)))
     assert slow.deadline == pytest.approx(slow.t0 + 60.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cluster.core.sampling import Rng, SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, RUNNING, WAITING
@@ -39,7 +39,7 @@ class Failing(TabularModel):
 def _engine(limits=None, **extra):
     models = {"target": TabularModel("target", V, seed=1), "d": TabularModel("d", V, seed=2, rng=Rng(5)),
               "mag": MagHandle(V, np.array([1, 2, 3, 0])), **extra}
-    return Engine(models, VocabTokenizer(V), limits=limits or Limits()), models
+    return local_engine(models, VocabTokenizer(V), limits=limits or Limits()), models
 
 
 def _req(rid, n=2, prompt=(0, 1), strategy="autoregressive", **options):

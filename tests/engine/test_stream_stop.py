@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cluster.core.sampling import Rng, SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import REGISTRY
@@ -34,7 +34,7 @@ def _engine():
               "small": TabularModel("small", V, seed=3),
               "adaptive": AdaptiveTabular("adaptive", V, seed=2, accept=0.97),
               "mag": MagHandle(V, np.array([1, 2, 3, 0]))}
-    return Engine(models, VocabTokenizer(V)), models
+    return local_engine(models, VocabTokenizer(V)), models
 
 
 def _stream(engine, models, strategy, options, seed, stop=()):

@@ -546,8 +546,8 @@ def test_specdec_head_chosen_by_drafter_name(tiny_engine, head_models):
         with pytest.raises(ParamError) as e:
             build(resolve_options("specdec_pp", options, {}), models, "target")
         assert e.value.name in ("head", "drafter") and all(w in str(e.value) for w in words), str(e.value)
-    from cluster.engine.engine import Engine
-    engine = Engine(models, tiny_engine.tokenizer, target="target")
+    from tests.support.exact import local_engine
+    engine = local_engine(models, tiny_engine.tokenizer, target="target")
     base = dict(prompt="def add(a, b):", max_new_tokens=12, sampling=SamplingParams(0.0), seed=1, ignore_eos=True)
     pp = engine.generate(GenerationRequest(strategy="specdec_pp", options={"head": "drafter-large"}, **base))
     ar = engine.generate(GenerationRequest(strategy="autoregressive", **base))

@@ -13,7 +13,7 @@ import yaml
 
 from cluster.config.schema import config_from_dict, load_config
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, ParamError
 
@@ -42,7 +42,7 @@ def remote_engine(tiny_engine):
     cfg = load_config("configs/tiny.yaml")
     eps = {n: InProcessEndpoint(ModelHost(cfg, n)) for n in cfg.models}
     handles = {n: RemoteHandle(ep, ep.actors[0].info()) for n, ep in eps.items()}
-    return Engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), eps
+    return local_engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), eps
 
 
 def _strategies():
@@ -93,7 +93,7 @@ def grouped_engine(tiny_engine):
     info = group.actors[0].info()
     handles = {cfg.target: RemoteHandle(target, target.actors[0].info()), DRAFTS: RemoteHandle(group, info)}
     handles.update({n: RemoteHandle(group, mi, member=n) for n, mi in info["members"].items()})
-    return cfg, Engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), target, group
+    return cfg, local_engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), target, group
 
 
 @pytest.mark.parametrize("strategy,options", [("speculative", {}), ("mag", {}), ("cs_drafting", {}),

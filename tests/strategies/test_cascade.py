@@ -5,7 +5,7 @@ import torch
 
 from cluster.core.cascade_targets import RULES, cascade_target, lossy_target, tv
 from cluster.core.sampling import UNSCALED, Rng, SamplingParams, logits_to_probs
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.support.exact import (
@@ -113,7 +113,7 @@ def _models(vocab, seed):
 
 def _engine_dist(target, drafter, strategy, options, n, sampling):
     holder = {}
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(target.vocab_size),
+    engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(target.vocab_size),
                     rng_factory=lambda s: holder["rng"])
 
     def run(rng):
@@ -206,7 +206,7 @@ def test_oracle_cascade_is_its_rule():
 def test_token_cascade_counts_target_calls_honestly():
     """The target runs once per deferral and never otherwise."""
     target, drafter = _models(4, 12)
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(4))
+    engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(4))
     for alpha, expect in ((NEVER, 0), (ALWAYS, 12)):
         drafter.rng = Rng(alpha == NEVER)
         before = target.forwards
@@ -227,7 +227,7 @@ def test_token_cascade_counts_target_calls_honestly():
 ])
 def test_option_errors_name_parameter_range_and_value(strategy, options, pattern):
     target, drafter = _models(3, 0)
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(3))
+    engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(3))
     with pytest.raises(ParamError, match=pattern):
         engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=2, strategy=strategy, options=options))
 

@@ -13,7 +13,7 @@ from cluster.core.cascade_targets import (
     lossy_target_fixed_beta,
 )
 from cluster.core.sampling import UNSCALED, SamplingParams, logits_to_probs
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.strategies.test_cascade import _engine_dist as _cascade_dist
@@ -167,6 +167,6 @@ def test_lossy_fixed_beta_emits_its_law(alpha, beta, bonus):
 ])
 def test_variant_option_errors(strategy, options, pattern):
     target, drafter = _models(3, 0)
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(3))
+    engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(3))
     with pytest.raises(ParamError, match=pattern):
         engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=2, strategy=strategy, options=options))

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from cluster.core.sampling import SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.models.maxgram import MagHandle
@@ -111,7 +111,7 @@ def test_sampling_exact_neural_bottom():
     large = TabularModel("large", 3, seed=8, zeros=True)
     small = TabularModel("small", 3, seed=9)
     holder = {}
-    engine = Engine({"target": target, "large": large, "small": small}, VocabTokenizer(3),
+    engine = local_engine({"target": target, "large": large, "small": small}, VocabTokenizer(3),
                     rng_factory=lambda s: holder["rng"])
 
     def run(rng):

@@ -7,7 +7,7 @@ import yaml
 
 from cluster.config.schema import MagSpec, config_from_dict
 from cluster.core.sampling import Rng, SamplingParams
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.models.maxgram import MagHandle
@@ -68,7 +68,7 @@ def _spy_run(unit, kmatrix="3,0;0,4", seed=0, new=40):
         reviews[0] = 0
         return target_score(rid, draft)
     models["small"].score, models["target"].score = small, target
-    engine = Engine(models, VocabTokenizer(4))
+    engine = local_engine(models, VocabTokenizer(4))
     res = engine.generate(GenerationRequest(prompt_ids=[0, 1, 2, 3, 0, 1], max_new_tokens=new, seed=seed,
                                             sampling=SamplingParams(1.0), strategy="cs_drafting",
                                             options=dict(drafters="small,mag", kmatrix=kmatrix, kmatrix_unit=unit)))
@@ -112,7 +112,7 @@ def test_mag_lenience_off_keeps_reviews_of_mag_tokens_strict():
 ])
 def test_option_errors(options, pattern):
     models = _models(3, 0)
-    engine = Engine(models, VocabTokenizer(3))
+    engine = local_engine(models, VocabTokenizer(3))
     with pytest.raises(ParamError, match=pattern):
         engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=2, strategy="cs_drafting", options=options))
 

@@ -149,14 +149,14 @@ def test_token_cascade_runs_without_deferral_are_scored_without_changing_them(en
 def test_eos_cut_mid_block_keeps_logprobs_aligned():
     """Tabular target (its law known exactly, EOS = token 2): an EOS inside an accepted block ends the
     request; the logprobs kept are those of the ids kept, each log p_target(token | prefix)."""
-    from cluster.engine.engine import Engine
+    from tests.support.exact import local_engine
     from tests.support.exact import TabularModel, VocabTokenizer
 
     class EosTokenizer(VocabTokenizer):
         eos_token_id = 2
     from cluster.core.sampling import Rng
     target, drafter = TabularModel("target", 4, seed=1), TabularModel("drafter", 4, seed=2, rng=Rng(0))
-    engine = Engine({"target": target, "drafter": drafter}, EosTokenizer(4))
+    engine = local_engine({"target": target, "drafter": drafter}, EosTokenizer(4))
     prompt, reasons = [0, 1, 3, 0, 1], []
     for seed in range(30):
         res = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=30, seed=seed, logprobs=2,

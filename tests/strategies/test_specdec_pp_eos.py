@@ -7,7 +7,7 @@ import torch
 
 from cluster.core.draft_stop import DraftStop, stop_after
 from cluster.core.sampling import SamplingParams, logits_to_probs
-from cluster.engine.engine import Engine
+from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.head import AcceptanceHead
 from tests.support.adaptive import AdaptiveTabular
@@ -81,7 +81,7 @@ def test_specdec_pp_with_eos_stop_is_exact(ignore_eos):
     target = TabularModel("target", 3, seed=21)
     drafter = AdaptiveTabular("adaptive", 3, seed=22, accept=0.95, zeros=True)
     holder, drafts = {}, []
-    engine = Engine({"target": target, "adaptive": drafter}, EosTokenizer(3), rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "adaptive": drafter}, EosTokenizer(3), rng_factory=lambda s: holder["rng"])
     propose = drafter.propose_adaptive
 
     def spy(rid, k_max, head, threshold, eos=None):

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from cluster.core.interfaces import PerRequestHandle
+from cluster.core.model_set import ModelSet
+from cluster.core.sampling import Rng
+from cluster.engine.engine import Engine
 
 
 class EnumRng:
@@ -173,6 +176,14 @@ def target_joint(model: TabularModel, prompt: list[int], n: int, sampling=None) 
     return out
 
 
+def local_engine(models: dict, tokenizer, *, target: str = "target", overlap: bool = False, rng_factory=Rng,
+                 **kw) -> Engine:
+    """An engine over test doubles, its model set assembled as the in-process root does (the draft side over
+    the drafters, drawing from the same ``rng_factory`` as the engine)."""
+    return Engine(ModelSet.assemble(models, target, overlap=overlap, rng_factory=rng_factory), tokenizer,
+                  rng_factory=rng_factory, **kw)
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
@@ -180,13 +191,12 @@ def max_abs_diff(a: dict, b: dict) -> float:
 def engine_vs_target(vocab: int, k: int, n: int, seed: int, sampling, verify: str = "token"):
     """(exact distribution of the engine's first ``n`` tokens under strategy speculative with a
     tabular drafter that has zeros, exact target joint) for one random target/drafter pair."""
-    from cluster.engine.engine import Engine
     from cluster.engine.request import GenerationRequest
     target = TabularModel("target", vocab, seed=seed)
     drafter = TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
     holder = {}
-    engine = Engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
-                    rng_factory=lambda s: holder["rng"])
+    engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(vocab),
+                          rng_factory=lambda s: holder["rng"])
 
     def run(rng):
         holder["rng"] = drafter.rng = rng

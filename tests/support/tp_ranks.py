@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.config.schema import config_from_dict
+from cluster.core.model_set import ModelSet
 from cluster.core.sampling import SamplingParams
 from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
@@ -38,7 +39,7 @@ def _rank(rank: int, port: int, jobs: list[tuple[str, dict, list[list[int]], int
         try:
             cfg = config_from_dict({"target": "target", "models": models})
             handles = {"target": build_handle(cfg, "target", tp_size=WORLD), "self": build_handle(cfg, "self")}
-            engine = Engine.configured(handles, load_tokenizer(cfg), "target", cfg.engine)
+            engine = Engine.configured(ModelSet.assemble(handles), load_tokenizer(cfg), cfg.engine)
             seqs = [engine.add(GenerationRequest(prompt_ids=p, max_new_tokens=new, sampling=SamplingParams(0.0),
                                                  seed=0, strategy=s, options=o, ignore_eos=True))
                     for p in prompts for s, o in variants]
