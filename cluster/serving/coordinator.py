@@ -48,7 +48,7 @@ class Coordinator:
         included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.topology
-        self.entries, models, self.tokenizer, self._endpoints = build_unit(cfg, self.topology)
+        self.entries, models, self.tokenizer, self._channels = build_unit(cfg, self.topology)
         if planner is None:    # the in-process root's planner, its costs measured through these handles
             planner = build_planner(models.handles, cfg.target, cfg.drafters, cfg.engine)
         self.engine = Engine.configured(models, self.tokenizer, cfg.engine, planner=planner)
@@ -73,17 +73,15 @@ class Coordinator:
     def _watchdog(self, period_s: float = 1.0) -> None:
         """Ping every actor each ``period_s``: mark a model down as soon as it stops answering (health turns
         NOT_SERVING at once for the target), and probe the ones that are down until they are back."""
-        import ray
-        remote = {n: e for n, e in self.entries.items() if e.placement != "local"}
+        channels = {n: e.handle.channel for n, e in self.entries.items() if e.placement != "local"}
         while not self._stopped:
-            refs = {n: [a.health.remote() for a in e.handle.endpoint.actors] for n, e in remote.items()
-                    if n not in self.engine.health.down}
+            asked = {n: ch.ask("health") for n, ch in channels.items() if n not in self.engine.health.down}
             deadline = time.perf_counter() + 2.0 * period_s
-            for name, rs in refs.items():
+            for name, pending in asked.items():
                 try:
-                    ray.get(rs, timeout=max(0.01, deadline - time.perf_counter()))
+                    pending.wait(max(0.01, deadline - time.perf_counter()))
                 except Exception as e:                  # noqa: BLE001 - dead, restarting or hung
-                    remote[name].handle.endpoint.mark_down()     # calls fail fast until a probe answers
+                    channels[name].mark_down()          # calls fail fast until a probe answers
                     self.engine.model_down(name, e)
             if self.engine.health.down:
                 self.engine.health.refresh()
@@ -230,7 +228,7 @@ class Coordinator:
         out = {}
         for e in self.entries.values():
             if e.placement != "local" and e.name == self.cfg.target:
-                out[e.name] = e.handle.endpoint.health()
+                out[e.name] = e.handle.channel.health()
             else:
                 out[e.name] = "down" if e.name in self.engine.health.down else "ok"
         return out
@@ -255,8 +253,8 @@ class Coordinator:
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
-        for ep in self._endpoints:
+        for ch in self._channels:
             try:
-                ep.kill()
+                ch.close()
             except Exception:
                 log.exception("killing actors")

@@ -1,179 +1,28 @@
-"""A :class:`cluster.core.interfaces.BatchedHandle` over Ray actors, so the unchanged engine drives remote models.
+"""A :class:`cluster.core.interfaces.BatchedHandle` over a channel, so the unchanged engine drives remote models.
 
 The engine calls the batched forms once per step and model (``prefill_batch``, ``draft_batch``,
-``score_batch``, ``propose_batch``, ``propose_adaptive_batch``); each becomes ONE Ray actor call
-(:mod:`actors.protocol`) that also carries the bookkeeping queued since the last call (``rollback`` /
-``extend`` / ``release``); the engine sends what is still queued at the end of a step with :meth:`flush`
-(outside its lock), so a finished request frees its state on the actor within a step and a hung actor never
-stalls the engine's front.  An :class:`Endpoint` is one model actor, or the rank actors of a tensor-parallel
-group (every call goes to every rank, in the same order, and rank 0's answer is returned).  Handles of the
-drafters hosted by the draft-group actor address their calls to one ``member`` of it.
+``score_batch``, ``propose_batch``, ``propose_adaptive_batch``); each becomes ONE call on the handle's
+:class:`cluster.serving.channel.Channel` (:mod:`actors.protocol`'s ``StepCall``; a Ray actor call through
+:class:`cluster.serving.ray_channel.RayChannel`) that also carries the bookkeeping queued since the last call
+(``rollback`` / ``extend`` / ``release``); the engine sends what is still queued at the end of a step with
+:meth:`flush` (outside its lock), so a finished request frees its state on the actor within a step and a hung
+actor never stalls the engine's front.  Handles of the drafters hosted by the draft-group actor address their
+calls to one ``member`` of it.
 
 Not part of the algorithm core: the engine and strategies never import this module.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from actors.protocol import StateLostError, StepCall, expand_onehot, nbytes, unpack
+from actors.protocol import StepCall, expand_onehot, nbytes, unpack
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
-from cluster.errors import ModelUnavailableError
-
-log = logging.getLogger("specserve.remote")
-WAIT_SLICE_S = 0.5      # how often a waiting call looks whether the watchdog marked its endpoint down
-
-class Endpoint:
-    """One model actor (``len(actors) == 1``) or a lockstep tensor-parallel group, called through Ray.
-
-    A single actor is restarted by Ray (``max_restarts``).  A group cannot take a restarted rank back into its
-    ``torch.distributed`` process group, so a group endpoint has a ``rebuild`` (``() -> (actors, placement
-    group)``): once the group is down, :meth:`probe` kills every rank and starts a whole new group.
-
-    Once a call found it gone (or the watchdog did, :meth:`mark_down`), calls fail at once with
-    :class:`ModelUnavailableError` until :meth:`probe` sees it answer: a dead actor that Ray restarts stays
-    pending until some node can host it (its node may be gone for good), and each call would otherwise wait
-    ``timeout_s``; the engine's end-of-step releases would stall the step loop that long."""
-
-    def __init__(self, actors: list, *, name: str = "model", timeout_s: float = 300.0, placement_group=None,
-                 rebuild: Callable[[], tuple[list, object]] | None = None):
-        self.actors, self.timeout_s, self.placement_group = list(actors), timeout_s, placement_group
-        self.name = name
-        self._submit = threading.Lock()      # every rank must see calls in the same order
-        self._probe = None
-        self._rebuild = rebuild
-        self._rebuilding: threading.Thread | None = None
-        self._rebuilt = False
-        self.down = False
-
-    def mark_down(self) -> None:
-        self.down = True
-
-    def _all(self, method: str, *args):
-        """Call ``method`` on every actor; wait up to ``timeout_s``, or until the endpoint is marked down (by
-        the watchdog: a call to a dead actor Ray restarts would otherwise wait all of ``timeout_s``)."""
-        import ray
-        from ray.exceptions import GetTimeoutError
-        with self._submit:
-            refs = [getattr(a, method).remote(*args) for a in self.actors]
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                return ray.get(refs, timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
-            except GetTimeoutError:
-                if self.down:
-                    raise ModelUnavailableError(self.name, "marked down while a call waited") from None
-                if time.monotonic() >= deadline:
-                    raise
-
-    def step(self, call: StepCall):
-        """-> (result of rank 0, its compute seconds); :class:`ModelUnavailableError` when an actor is gone
-        or does not answer within ``timeout_s`` (Ray restarts a dead model actor; see ``probe``)."""
-        if self.down:
-            raise ModelUnavailableError(self.name, "down until it answers again")
-        try:
-            return self._step(call)
-        except ModelUnavailableError:
-            self.down = True
-            raise
-
-    def _step(self, call: StepCall):
-        from ray.exceptions import (
-            ActorUnavailableError,
-            GetTimeoutError,
-            RayActorError,
-            RayTaskError,
-        )
-        try:
-            return self._all("step", call)[0]
-        except (RayActorError, ActorUnavailableError) as e:
-            raise ModelUnavailableError(self.name, "gone (its actor died)") from e
-        except RayTaskError as e:
-            if isinstance(e.cause, StateLostError):       # restarted before anyone noticed: state is gone
-                raise ModelUnavailableError(self.name, "restarted") from e
-            if self._rebuild is not None and not self._all_answer():   # a collective failed: a rank died
-                raise ModelUnavailableError(self.name, "a tensor-parallel rank died") from e
-            raise
-        except GetTimeoutError as e:
-            raise ModelUnavailableError(self.name, f"not answering within {self.timeout_s:g}s") from e
-
-    def _all_answer(self, timeout_s: float = 2.0) -> bool:
-        import ray
-        try:
-            ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
-            return True
-        except Exception:                                # noqa: BLE001 - dead, restarting or hung
-            return False
-
-    def probe(self) -> bool:
-        """Non-blocking: True once every actor answers a health call again (after a restart; a group: once
-        it has been rebuilt, see the class docstring)."""
-        import ray
-        if self._rebuild is not None:
-            self.down = not self._probe_group()
-            return not self.down
-        # one snapshot of the pending probe: the coordinator's loop and the engine's step both probe (health.refresh)
-        # from their threads, so the other may take the probe (set it to None) between two reads of the attribute
-        refs = self._probe
-        if refs is None:
-            refs = self._probe = [a.health.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if len(ready) < len(refs):
-            return False
-        self._probe = None
-        try:
-            ray.get(refs, timeout=1.0)
-            self.down = False
-            return True
-        except Exception:                                # noqa: BLE001 - still down: probe again later
-            return False
-
-    def _probe_group(self) -> bool:
-        if self._rebuilding is None:                     # first probe after the group went down
-            self._rebuilt = False
-            self._rebuilding = threading.Thread(target=self._rebuild_group, daemon=True,
-                                                name=f"specserve-rebuild-{self.name}")
-            self._rebuilding.start()
-            return False
-        if self._rebuilding.is_alive():
-            return False
-        self._rebuilding = None                          # done: a failed attempt is retried at the next probe
-        return self._rebuilt
-
-    def _rebuild_group(self) -> None:
-        try:
-            self.kill()                                  # also unblocks a rank waiting in a collective
-            actors, pg = self._rebuild()
-            with self._submit:
-                self.actors, self.placement_group = list(actors), pg
-            self._rebuilt = True
-            log.warning("tensor-parallel group %s rebuilt (%d ranks)", self.name, len(actors))
-        except Exception:                                # noqa: BLE001 - logged; the next probe tries again
-            log.exception("rebuilding tensor-parallel group %s failed", self.name)
-
-    def active_requests(self) -> list[str]:
-        return self._all("active_requests")[0]
-
-    def health(self) -> list[dict]:
-        return self._all("health")
-
-    def kill(self) -> None:
-        import ray
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:                            # noqa: BLE001 - already gone
-                pass
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+from cluster.serving.channel import Channel
 
 
 @dataclass
@@ -194,8 +43,8 @@ class RemoteHandle(BatchedHandle):
     """BatchedHandle whose model lives in an actor (or TP group); see the module docstring.  ``info``: the
     hosted handle's :meth:`cluster.core.interfaces.BatchedHandle.capabilities`, which it declares as its own."""
 
-    def __init__(self, endpoint: Endpoint, info: dict, *, placement: str = "actor", member: str | None = None):
-        self.endpoint, self.member = endpoint, member
+    def __init__(self, channel: Channel, info: dict, *, placement: str = "actor", member: str | None = None):
+        self.channel, self.member = channel, member
         self.name = info["name"]
         self.vocab_size = int(info["vocab_size"])
         self.max_length = int(info["max_length"])
@@ -203,7 +52,7 @@ class RemoteHandle(BatchedHandle):
         self.deterministic, self.proposes = bool(info["deterministic"]), bool(info["proposes"])
         self.adaptive, self.specdec_head = bool(info["adaptive"]), info["specdec_head"]
         self.placement = placement
-        self.tp_size = len(endpoint.actors)
+        self.tp_size = channel.ranks
         self.timing = CallTiming()
         self._ops: list[tuple[str, str, tuple]] = []
         self._lock = threading.Lock()
@@ -245,10 +94,10 @@ class RemoteHandle(BatchedHandle):
         return self._call("draft_batch", items)
 
     def active_requests(self) -> list[str]:
-        return self.endpoint.active_requests()
+        return self.channel.ask("active_requests").wait(self.channel.timeout_s)[0]
 
     def probe(self) -> bool:
-        return self.endpoint.probe()
+        return self.channel.probe()
 
     def reset_timing(self) -> None:
         self.timing = CallTiming()
@@ -257,7 +106,7 @@ class RemoteHandle(BatchedHandle):
         with self._lock:
             ops, self._ops = self._ops, []
         t0 = time.perf_counter()
-        out, compute_s = self.endpoint.step(StepCall(ops, method, items, self.member))
+        out, compute_s = self.channel.call(StepCall(ops, method, items, self.member))
         t = self.timing
         t.calls += 1
         t.wall_s += time.perf_counter() - t0

@@ -10,6 +10,7 @@ the draft-group actor (for strategies that drive one drafter directly).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,8 @@ from cluster.config.schema import Config
 from cluster.core.drafting import DRAFTS
 from cluster.core.model_set import ModelSet
 from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
-from cluster.serving.remote import Endpoint, RemoteHandle
+from cluster.serving.ray_channel import RayChannel
+from cluster.serving.remote import RemoteHandle
 
 STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
 
@@ -35,9 +37,7 @@ class ModelEntry:
 
 def build_unit(cfg: Config, topology: str | None = None):
     """Start the actors of one unit; returns (entries by name, the engine's :class:`ModelSet`, tokenizer,
-    endpoints to kill)."""
-    import ray
-
+    channels to close)."""
     cl = cfg.cluster
     separated = (topology or cl.topology) == "separated"
     entries: dict[str, ModelEntry] = {}
@@ -66,17 +66,18 @@ def build_unit(cfg: Config, topology: str | None = None):
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
     if cfg.target not in started:                # ... or in this (the coordinator's) process, while actors load
         entries[cfg.target] = ModelEntry(cfg.target, "target", "local", build_handle(cfg, cfg.target))
-    infos = ray.get([actors[0].info.remote() for actors, _, _ in started.values()], timeout=STARTUP_TIMEOUT_S)
-    endpoints: list[Endpoint] = []
-    for (name, (actors, pg, placement)), info in zip(started.items(), infos):
-        ep = Endpoint(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
-                      rebuild=rebuild if placement == "tp-group" else None)
-        endpoints.append(ep)
+    channels = {name: RayChannel(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
+                                 restart=rebuild if placement == "tp-group" else None)
+                for name, (actors, pg, placement) in started.items()}
+    asked = {name: ch.ask("info") for name, ch in channels.items()}     # every actor loads meanwhile
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for name, ch in channels.items():
+        info, placement = asked[name].wait(max(0.0, deadline - time.monotonic()))[0], started[name][2]
         role = "target" if name == cfg.target else "draft-side" if name == DRAFTS else "drafter"
-        entries[name] = ModelEntry(name, role, placement, RemoteHandle(ep, info, placement=placement))
+        entries[name] = ModelEntry(name, role, placement, RemoteHandle(ch, info, placement=placement))
         for member, minfo in info.get("members", {}).items():       # the draft group's drafters, one by one
             entries[member] = ModelEntry(member, "drafter", placement,
-                                         RemoteHandle(ep, minfo, placement=placement, member=member))
+                                         RemoteHandle(ch, minfo, placement=placement, member=member))
     if cfg.mag is not None and not separated:                                   # MaG in-process too
         vocab = entries[cfg.target].handle.vocab_size
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
@@ -86,4 +87,4 @@ def build_unit(cfg: Config, topology: str | None = None):
                                overlap=cfg.engine.overlap_on(draft_side_remote=False))
     if DRAFTS not in ordered and models.draft_side is not None:          # colocated: the draft side in-process
         ordered[DRAFTS] = ModelEntry(DRAFTS, "draft-side", "local", models.draft_side)
-    return ordered, models, load_tokenizer(cfg), endpoints
+    return ordered, models, load_tokenizer(cfg), list(channels.values())

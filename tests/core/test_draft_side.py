@@ -9,7 +9,6 @@ import torch
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS, DraftSpec, pack_block
 from cluster.core.sampling import SamplingParams, logits_to_probs
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import resolve_options
@@ -17,6 +16,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     steps_law,
     target_joint,

@@ -7,13 +7,13 @@ from hypothesis import strategies as st
 
 from cluster.core.maxgram import MaxGramIndex, brute_force_predict
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     target_joint,
 )

@@ -13,7 +13,6 @@ import pytest
 
 from cluster.core.cascade_targets import cascade_target, lossy_target
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits
 from cluster.models.maxgram import MagHandle
@@ -21,6 +20,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     marginal,
     max_abs_diff,
     pi_joint,

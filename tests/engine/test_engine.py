@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.support.exact import TabularModel, VocabTokenizer
 from tests.support.tolerance import FORWARD_ATOL
+from tests.support.exact import local_engine
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nclass ", "x = [i * i for i in"]
 

@@ -11,13 +11,13 @@ import pytest
 
 from cluster.core.drafting import DRAFTS
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     target_joint,
 )

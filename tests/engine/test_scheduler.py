@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from cluster.core.sampling import Rng, SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, RUNNING, WAITING
 from cluster.errors import OverloadedError, ParamError
 from cluster.models.maxgram import MagHandle
 from tests.support.exact import TabularModel, VocabTokenizer
+from tests.support.exact import local_engine
 
 V = 4
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from cluster.core.sampling import Rng, SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import REGISTRY
 from tests.support.adaptive import AdaptiveTabular
 from tests.support.exact import TabularModel, VocabTokenizer
+from tests.support.exact import local_engine
 
 V = 4
 CASES = {

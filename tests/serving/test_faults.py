@@ -53,7 +53,7 @@ def _req(strategy, n=48, seed=0, **options):
 
 def _pid(coord, name) -> int | None:
     """The model actor's process id; None while Ray restarts it."""
-    actor = coord.entries[name].handle.endpoint.actors[0]
+    actor = coord.entries[name].handle.channel.actors[0]
     try:
         return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     except ray.exceptions.ActorUnavailableError:
@@ -135,7 +135,7 @@ def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
         coord.warmup(2)
         local = engine_for(cfg)
         want = local.generate(_req("speculative", n=24, seed=3, drafter="drafter")).token_ids
-        old = coord.entries["target"].handle.endpoint.actors
+        old = coord.entries["target"].handle.channel.actors
         rank1 = ray.get(old[1].__ray_call__.remote(lambda self: os.getpid()), timeout=30)
         steps_before = coord.engine.steps
         threads, results = _run_concurrently(coord, [_req("speculative", n=400, seed=i, drafter="drafter")
@@ -152,7 +152,7 @@ def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
         assert failed_in < 15.0
         _poll(lambda: coord.ready, "the rebuilt group to serve")
         recovered_in = time.perf_counter() - t_kill
-        new = coord.entries["target"].handle.endpoint.actors
+        new = coord.entries["target"].handle.channel.actors
         assert len(new) == 2 and not set(map(id, new)) & set(map(id, old))     # a whole new group
         got = coord.generate_blocking(_req("speculative", n=24, seed=3, drafter="drafter"), timeout=DEADLINE_S)
         assert got.token_ids == want

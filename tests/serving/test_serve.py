@@ -292,7 +292,7 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
     coord = Coordinator(cfg)
     try:
         entry = coord.entries["target"]
-        tp, actors = entry.handle, entry.handle.endpoint.actors
+        tp, actors = entry.handle, entry.handle.channel.actors
         assert entry.placement == "tp-group" and len(actors) == 2
         shapes = ray.get([a.__ray_call__.remote(
             lambda self: tuple(self.worker.model.model.layers[0].self_attn.q_proj.weight.to_local().shape))

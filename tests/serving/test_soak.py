@@ -64,7 +64,7 @@ def _rss(coord) -> int:
     pids = {os.getpid()}
     for e in coord.entries.values():
         if e.placement != "local":
-            pids.add(ray.get(e.handle.endpoint.actors[0].__ray_call__.remote(lambda self: os.getpid())))
+            pids.add(ray.get(e.handle.channel.actors[0].__ray_call__.remote(lambda self: os.getpid())))
     return sum(psutil.Process(p).memory_info().rss for p in pids)
 
 

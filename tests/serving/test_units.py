@@ -13,22 +13,31 @@ import yaml
 
 from cluster.config.schema import config_from_dict, load_config
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, ParamError
+from cluster.serving.channel import Channel
+from tests.support.exact import local_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class InProcessEndpoint:
-    """The actor endpoint interface over a ModelHost in this process (what Ray would call)."""
+class InProcessChannel(Channel):
+    """A transport that is no Ray: the channel seam over an actor body (ModelHost, DraftHost) in this process.
+    The remote handle, unchanged, drives it; it records each call's method and ops."""
 
     def __init__(self, host):
         self.actors, self.calls = [host], []
 
-    def step(self, call):
-        self.calls.append((call.method, [op for op, _, _ in call.ops]))
-        return self.actors[0].step(call)
+    def call(self, step):
+        self.calls.append((step.method, [op for op, _, _ in step.ops]))
+        return self.actors[0].step(step)
+
+    def ask(self, question):
+        answer = [getattr(self.actors[0], question)()]
+        return SimpleNamespace(wait=lambda timeout_s: answer)
+
+    def probe(self):
+        return True
 
     def active_requests(self):
         return self.actors[0].active_requests()
@@ -40,7 +49,7 @@ def remote_engine(tiny_engine):
     from actors.model_actor import ModelHost
     from cluster.serving.remote import RemoteHandle
     cfg = load_config("configs/tiny.yaml")
-    eps = {n: InProcessEndpoint(ModelHost(cfg, n)) for n in cfg.models}
+    eps = {n: InProcessChannel(ModelHost(cfg, n)) for n in cfg.models}
     handles = {n: RemoteHandle(ep, ep.actors[0].info()) for n, ep in eps.items()}
     return local_engine(handles, tiny_engine.tokenizer, target=cfg.target, defaults=cfg.engine.options), eps
 
@@ -88,8 +97,8 @@ def grouped_engine(tiny_engine):
     data["mag"] = {}
     cfg = config_from_dict(data)
     ensure_built(cfg, progress=False)
-    target = InProcessEndpoint(ModelHost(cfg, cfg.target))
-    group = InProcessEndpoint(DraftHost(cfg, cfg.drafters, overlap=True))
+    target = InProcessChannel(ModelHost(cfg, cfg.target))
+    group = InProcessChannel(DraftHost(cfg, cfg.drafters, overlap=True))
     info = group.actors[0].info()
     handles = {cfg.target: RemoteHandle(target, target.actors[0].info()), DRAFTS: RemoteHandle(group, info)}
     handles.update({n: RemoteHandle(group, mi, member=n) for n, mi in info["members"].items()})

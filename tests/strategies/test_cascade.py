@@ -5,13 +5,13 @@ import torch
 
 from cluster.core.cascade_targets import RULES, cascade_target, lossy_target, tv
 from cluster.core.sampling import UNSCALED, Rng, SamplingParams, logits_to_probs
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     pi_joint,
     random_dist,

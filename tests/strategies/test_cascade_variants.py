@@ -13,13 +13,13 @@ from cluster.core.cascade_targets import (
     lossy_target_fixed_beta,
 )
 from cluster.core.sampling import UNSCALED, SamplingParams, logits_to_probs
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from tests.strategies.test_cascade import _engine_dist as _cascade_dist
 from tests.strategies.test_cascade import _models
 from tests.support.exact import (
     VocabTokenizer,
+    local_engine,
     max_abs_diff,
     pi_joint,
     random_dist,

@@ -5,7 +5,6 @@ import pytest
 import yaml
 
 from cluster.core.sampling import SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.models.maxgram import MagHandle
@@ -14,6 +13,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     steps_law,
     target_joint,

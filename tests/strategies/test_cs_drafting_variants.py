@@ -7,7 +7,6 @@ import yaml
 
 from cluster.config.schema import MagSpec, config_from_dict
 from cluster.core.sampling import Rng, SamplingParams
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.models.maxgram import MagHandle
@@ -16,6 +15,7 @@ from tests.support.built import engine_for
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
+    local_engine,
     max_abs_diff,
     steps_law,
     target_joint,

@@ -7,7 +7,6 @@ import torch
 
 from cluster.core.draft_stop import DraftStop, stop_after
 from cluster.core.sampling import SamplingParams, logits_to_probs
-from tests.support.exact import local_engine
 from cluster.engine.request import GenerationRequest
 from cluster.models.head import AcceptanceHead
 from tests.support.adaptive import AdaptiveTabular
@@ -15,6 +14,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    local_engine,
     max_abs_diff,
     target_joint,
 )
