@@ -23,7 +23,7 @@ from cluster.family.cache import load_manifest
 from cluster.family.evaluate import format_summary
 from cluster.local import build_engine
 from cluster.serving.requests import Fields, build_request
-from cluster.strategies import REGISTRY, all_options
+from cluster.strategies import REGISTRY, all_options, check_option_name
 
 
 def _add_config(p: argparse.ArgumentParser, default: str = "configs/local.yaml") -> None:
@@ -131,12 +131,8 @@ def request_from_args(args, cfg):
     strategy = args.strategy or cfg.engine.strategy
     if strategy not in REGISTRY:
         raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), strategy)
-    declared = {o.name for o in REGISTRY[strategy].options}
-    for name in options:
-        if name not in declared:
-            raise ParamError(name, f"not an option of strategy {strategy} (its options: "
-                             f"{', '.join(sorted(declared)) or 'none'})", options[name])
-    for name, value in options.items():       # range-check before loading any model
+    for name, value in options.items():       # name and range checked before loading any model
+        check_option_name(strategy, name)
         all_options()[name].parse(value)
     return build_request(cfg, Fields(prompt=args.prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

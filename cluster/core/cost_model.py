@@ -123,10 +123,6 @@ class CascadeModel:
                     P *= g * a * x
         return S
 
-    def pgf(self, m: int, x: float) -> float:
-        """PGF of the tokens one review step of drafter m emits (accepted + 1)."""
-        return x + (x - 1.0) * self._draft(m, x)
-
     def draft_len(self, r: int) -> float:
         """Expected length of reviewer r's draft: b per bottom segment, E[N] = 1 + S_m(1) per review step of
         drafter m (its accepted tokens plus one)."""

@@ -125,9 +125,23 @@ class Engine(CallerDriven):
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One engine step for every running request; returns the requests that ended in it."""
+        """One engine step for every running request; returns the requests that ended in it.  Schedule (who
+        stops, who joins and is prefilled), run every running request's strategy step with one batched call per
+        model and round, postprocess (stop rules, chunks), release what ended."""
         now = time.perf_counter()
         self._observe(now)
+        ended, joined = self._schedule(now)
+        self._recover()
+        if joined:
+            self._prefill(joined)
+        running = self._runnable(ended)
+        self._begin(running)
+        ended += self._postprocess(run_rounds(running, self.models, self.target, self._step_of, self.model_down))
+        self._release()
+        return ended
+
+    def _schedule(self, now: float) -> tuple[list[Sequence], list[Sequence]]:
+        """End the cancelled and the expired requests; -> (those, the requests that join the batch now)."""
         with self._lock:
             ended = [self._live[rid] for rid in self._aborted if rid in self._live]
             self._aborted.clear()
@@ -138,27 +152,42 @@ class Engine(CallerDriven):
                 self._fail(seq, DeadlineExceededError(f"request {seq.rid} ran past its deadline of "
                                                       f"{self.request_timeout_s:g}s"), finish="deadline")
                 ended.append(seq)
-            joined = self.scheduler.schedule()
+            return ended, self.scheduler.schedule()
+
+    def _recover(self) -> None:
+        """Probe the models that are down; prefill those that answer again with their requests' tokens."""
         if self.health.down:
             self.health.refresh()
-        self._restore()
-        if joined:
-            self._prefill(joined)
+        back = {m for s in self.scheduler.running for m in s.stale} - self.health.down
+        if back:
+            self._prefill([s for s in self.scheduler.running if s.stale & back], back)
+
+    def _runnable(self, ended: list[Sequence]) -> list[Sequence]:
+        """The running requests that step now; a request for prompt logprobs only is done once prefilled
+        (an empty generation, finish "length") and joins ``ended``."""
         running = [s for s in self.scheduler.running if s.status != FINISHED]
-        for seq in [s for s in running if not s.req.max_new_tokens]:   # prompt logprobs only: done once prefilled
+        for seq in [s for s in running if not s.req.max_new_tokens]:
             running.remove(seq)
-            seq.emit(seq.accept([]))                                    # empty generation, finish "length"
+            seq.emit(seq.accept([]))
             self._end(seq)
             ended.append(seq)
-        if running:
-            self.steps += 1
-            self.step_rows += len(running)
+        return running
+
+    def _begin(self, running: list[Sequence]) -> None:
+        """Count the step, open each request's step, and let the planner pick its draft lengths."""
+        if not running:
+            return
+        self.steps += 1
+        self.step_rows += len(running)
         for seq in running:
             seq.begin_step()
-        if self.planner is not None and running:
+        if self.planner is not None:
             self.planner.plan(running)
             self._planned_at = time.perf_counter()
-        outs = run_rounds(running, self.models, self.target, self._step_of, self.model_down)
+
+    def _postprocess(self, outs: dict[Sequence, Any]) -> list[Sequence]:
+        """Each request's step result through its stop rules and out as a chunk; -> the requests that ended."""
+        ended = []
         for seq, out in outs.items():
             if not isinstance(out, BaseException):
                 out = seq.check_logprobs(out)
@@ -166,21 +195,31 @@ class Engine(CallerDriven):
                 self._fail(seq, out)
                 ended.append(seq)
                 continue
-            chunk = seq.accept(out)
-            seq.emit(chunk)
+            seq.emit(seq.accept(out))
             if seq.finish is not None:
                 self._end(seq)
                 ended.append(seq)
-        self._flush()
+        return ended
+
+    def _release(self) -> None:
+        """Send each model's queued bookkeeping (releases of ended requests among it; remote handles queue it):
+        outside the engine lock, so one hung actor cannot stall admission.  Requests whose state is released
+        everywhere now leave, and are told so."""
+        for name, h in self.models.items():
+            try:
+                h.flush()
+            except Exception as e:                       # noqa: BLE001 - a dead model must not stop the loop
+                if isinstance(e, ModelUnavailableError):
+                    self.model_down(name, e)
+                log.warning("flushing %s failed: %s", name, e)
         done, self._ended = self._ended, []
-        for seq in done:                 # its state is released everywhere now: it leaves, and is told so
+        for seq in done:
             with self._lock:
                 self._live.pop(seq.rid, None)
             if seq.on_end is not None:
                 seq.on_end(seq)
         if not self.scheduler.running:   # the loop may wait for work now: the period ends here
             self._observe(time.perf_counter())
-        return ended
 
     def _observe(self, now: float) -> None:
         """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
@@ -191,17 +230,6 @@ class Engine(CallerDriven):
         if self._planned_at is not None:
             self.planner.observe(now - self._planned_at)
             self._planned_at = None
-
-    def _flush(self) -> None:
-        """Send each remote model's queued bookkeeping (releases of ended requests among it): one call per
-        model that has any, outside the engine lock, so one hung actor cannot stall admission."""
-        for name, h in self.models.items():
-            try:
-                h.flush()
-            except Exception as e:                       # noqa: BLE001 - a dead model must not stop the loop
-                if isinstance(e, ModelUnavailableError):
-                    self.model_down(name, e)
-                log.warning("flushing %s failed: %s", name, e)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: a model that is back), one batched call each."""
@@ -232,12 +260,6 @@ class Engine(CallerDriven):
             except Exception as e:                       # noqa: BLE001 - fails these requests only
                 for s in items:
                     self._fail(s, e)
-
-    def _restore(self) -> None:
-        """Prefill models that answer again with their requests' committed tokens."""
-        back = {m for s in self.scheduler.running for m in s.stale} - self.health.down
-        if back:
-            self._prefill([s for s in self.scheduler.running if s.stale & back], back)
 
     def model_down(self, name: str, error: BaseException) -> None:
         """Mark ``name`` down (also from a health watchdog's thread): every live request's state there is

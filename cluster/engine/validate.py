@@ -30,7 +30,7 @@ from cluster.engine.request import (
     PreparedRequest,
 )
 from cluster.errors import ParamError, check_int, check_text
-from cluster.strategies import REGISTRY, resolve_options
+from cluster.strategies import REGISTRY, check_option_name, resolve_options
 
 
 def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer: Tokenizer, target: str, *,
@@ -131,12 +131,10 @@ def check_options(strategy: str, options: Any) -> None:
         raise ParamError("options", "an object of strategy options", options)
     if len(options) > MAX_OPTIONS:
         raise ParamError("options", f"at most {MAX_OPTIONS} options", f"{len(options)} options")
-    declared = [o.name for o in REGISTRY[strategy].options]
     for key, value in options.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_OPTION_NAME:
             raise ParamError("option", f"names of 1 to {MAX_OPTION_NAME} characters", key)
-        if key not in declared:
-            raise ParamError("option", f"options of strategy {strategy}: " + (", ".join(declared) or "none"), key)
+        check_option_name(strategy, key)
         _check_option_value(key, value)
 
 

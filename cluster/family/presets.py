@@ -13,9 +13,6 @@ from cluster.config.paths import ZOO_VERSION
 EOT = "<|endoftext|>"
 
 
-MODEL_NAMES = ("target", "drafter-large", "drafter-small")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture (and, for the target, training schedule) of one model."""

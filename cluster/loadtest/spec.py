@@ -34,7 +34,6 @@ import yaml
 from cluster.errors import ParamError, check_float, check_int
 
 PROTOCOLS = ("grpc", "http")
-MODES = ("rate", "concurrency")
 MAX_DURATION_S = 86400.0
 MAX_RATE = 10000.0
 MAX_CONCURRENCY = 4096

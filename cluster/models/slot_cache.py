@@ -116,7 +116,3 @@ class SlotCache(Cache):
         p.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         p.need_slots = max(slots) + 1
         p.length = max(offsets) + n
-
-    def reserved_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))

@@ -17,19 +17,18 @@ from cluster.serving.auth import (
 )
 from cluster.serving.coordinator import Coordinator
 from cluster.serving.deploy import DEPLOYMENT, deployment_options, serve_config
-from cluster.serving.error_table import classify, message, refusal_outcome
+from cluster.serving.error_table import answer
 from cluster.serving.grpc_api import (
     SERVICE,
     MalformedRequest,
     chunk_to_proto,
     fields_from_proto,
-    log,
     malformed_error,
     result_to_proto,
     server_info,
 )
 from cluster.serving.http_app import build_http_app
-from cluster.serving.metrics import make_metrics, strategy_label
+from cluster.serving.metrics import make_metrics
 from cluster.serving.requests import admit
 from protos import specserve_pb2 as pb
 
@@ -75,22 +74,15 @@ class SpecServeDeployment:
 
     # -- gRPC ---------------------------------------------------------------------------------------
     def _fail(self, ctx, exc: BaseException, strategy: str | None, empty=None):
-        """Map ``exc`` to a status on ``ctx`` through the one error table (:mod:`cluster.serving.error_table`)
-        and return ``empty`` (the method's empty response): a refused request is answered, not raised
+        """Render the one error procedure's answer (:func:`cluster.serving.error_table.answer`) as a status on
+        ``ctx`` and return ``empty`` (the method's empty response): a refused request is answered, not raised
         through Serve (which would log a traceback for each).  Messages are ours and bounded (ParamError
         echoes a truncated value); the metric label is a validated strategy."""
-        kind, msg = classify(exc), message(exc)
-        if kind.internal:
-            log.error("internal error", exc_info=exc)
-        elif kind.refused:
-            log.info("refused (%s): %s", kind.grpc_code, msg)             # one line per refused request
-        counted = refusal_outcome(exc)             # None: the coordinator counted this request already
-        if counted is not None and self.coord.metrics is not None:
-            self.coord.metrics.record(strategy_label(strategy or self.cfg.engine.strategy), counted)
+        ans = answer(exc, self.coord.metrics, strategy or self.cfg.engine.strategy)
         if ctx is None or empty is None:
-            raise _Abort(msg) from None
-        ctx.set_code(grpc.StatusCode[kind.grpc_code])
-        ctx.set_details(msg)
+            raise _Abort(ans.message) from None
+        ctx.set_code(grpc.StatusCode[ans.kind.grpc_code])
+        ctx.set_details(ans.message)
         return empty
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:

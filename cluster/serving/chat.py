@@ -15,7 +15,7 @@ from pydantic import Field
 
 from cluster.engine.request import MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
 from cluster.errors import ParamError
-from cluster.serving.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, stream_options, typed
+from cluster.serving.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, typed
 from cluster.serving.oai_format import ResponseFormat, chat_logprobs, openai_finish
 from cluster.serving.requests import Fields
 
@@ -37,7 +37,6 @@ class ChatRequest(OpenAIRequest):
 def fields_from_chat(body: Any) -> tuple[Fields, ChatRequest]:
     """The request's fields from a chat body, and the typed body (for the response's shape)."""
     m = typed(ChatRequest, body, ENDPOINT, CHAT_NEUTRAL)
-    stream_options(m.stream_options, m.stream)
     if not m.logprobs and m.top_logprobs not in (None, 0):
         raise ParamError("top_logprobs", "null or 0 unless logprobs is true", m.top_logprobs)
     limit = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
@@ -52,7 +51,7 @@ class ChatFormat(ResponseFormat):
     object_whole, object_chunk, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
     def __init__(self, model: str, req, tokenizer, m: ChatRequest):
-        usage, continuous = stream_options(m.stream_options, m.stream)
+        usage, continuous = m.usage_flags
         super().__init__(model, req, tokenizer, include_usage=usage, continuous_usage=continuous)
 
     def _logprobs(self, entries) -> dict | None:

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 
 from cluster.engine.request import MAX_PROMPT_IDS, MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
 from cluster.errors import ParamError
-from cluster.serving.neutral import NEUTRAL, OpenAIRequest, stream_options, typed
+from cluster.serving.neutral import NEUTRAL, OpenAIRequest, typed
 from cluster.serving.oai_format import ResponseFormat, completion_logprobs, openai_finish
 from cluster.serving.requests import Fields
 
@@ -50,7 +50,6 @@ def fields_from_openai(body: Any) -> tuple[Fields, CompletionRequest]:
     """The request's fields from a completions body, and the typed body (for the response's shape).
     :mod:`cluster.serving.requests` merges the config's defaults; the engine checks the ranges."""
     m = typed(CompletionRequest, body, ENDPOINT, NEUTRAL)
-    stream_options(m.stream_options, m.stream)                           # checked before any work
     if m.stream and m.echo and m.logprobs is not None:
         raise ParamError("echo", "false with stream and logprobs (prompt logprobs only in a whole response)",
                          m.echo)
@@ -69,7 +68,7 @@ class CompletionFormat(ResponseFormat):
     prefix = "cmpl-"
 
     def __init__(self, model: str, req, tokenizer, m: CompletionRequest):
-        usage, continuous = stream_options(m.stream_options, m.stream)
+        usage, continuous = m.usage_flags
         super().__init__(model, req, tokenizer, include_usage=usage, continuous_usage=continuous)
         self.echo, self.offset = bool(m.echo), 0
         self.want_logprobs, self.want_prompt_logprobs = m.logprobs is not None, m.prompt_logprobs is not None

@@ -116,14 +116,14 @@ class Coordinator:
             self._wake.notify()
 
     # -- admission ----------------------------------------------------------------------------------
-    def validate(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
+    def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
         """Validate and tokenize ``req`` once (raises ParamError): the prepared request flows down."""
         return self.engine.prepare(req)
 
     async def stream(self, req: GenerationRequest | PreparedRequest) -> AsyncIterator[StreamChunk]:
         """Validate, admit and run ``req``; yield its chunks.  Closing the iterator (or cancelling the task
         consuming it) stops the generation at the next step boundary and frees its state everywhere."""
-        req = self.validate(req)
+        req = self.prepare(req)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         admitted = time.perf_counter()

@@ -1,6 +1,7 @@
 """The one error table of every front: each error a request can meet -> its gRPC status code, HTTP status,
-OpenAI error ``type``, metrics outcome and retry headers.  gRPC (:mod:`cluster.serving.app`), HTTP
-(:mod:`cluster.serving.http_app`) and the metrics (:func:`refusal_outcome`) only look errors up here.
+OpenAI error ``type``, metrics outcome and retry headers -- and the one procedure every front runs on an
+error, :func:`answer`: classify, log once, count once.  gRPC (:mod:`cluster.serving.app`) and HTTP
+(:mod:`cluster.serving.http_app`, its API-key middleware included) only render the :class:`Answer`.
 
 Retry headers: ``Retry-After: 1`` on 429 / 503 (RFC 9110, sec. 10.2.3: the client may come back shortly);
 ``x-should-retry: false`` on 500 / 504, the header the official OpenAI SDKs read before their own retry rule
@@ -10,6 +11,7 @@ fails the same way again.  gRPC codes are kept as names (``grpc.StatusCode[name]
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from cluster.errors import (
 from cluster.serving.auth import Unauthenticated
 from protos.guard import INTERNAL_DETAILS as INTERNAL_MESSAGE   # what the guarded gRPC proxy lets through
 
+log = logging.getLogger("specserve.errors")
 COUNTED = "_specserve_counted"            # set on an error the coordinator has counted (metrics.record)
 
 
@@ -90,3 +93,28 @@ def refusal_outcome(exc: BaseException) -> str | None:
     """The outcome a front counts for ``exc`` (raised before a response), or None when the coordinator
     already counted the request (an error of an admitted request, marked by ``Metrics.record``)."""
     return None if getattr(exc, COUNTED, False) else classify(exc).outcome
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a front renders for one error: the table's row, the message a client may see, and the parameter
+    a refusal names (the OpenAI error's ``param``)."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None
+
+
+def answer(exc: BaseException, metrics, strategy: str | None) -> Answer:
+    """The one error procedure of every front: ``exc``'s row of the table, logged once (an internal error with
+    its traceback; a refusal as one info line per request) and counted once in ``metrics`` under ``strategy``
+    (not again when the coordinator already counted the admitted request).  Never raises for metrics."""
+    kind, msg = classify(exc), message(exc)
+    if kind.internal:
+        log.error("internal error", exc_info=exc)
+    elif kind.refused:
+        log.info("refused (%s / %d): %s", kind.grpc_code, kind.http_status, msg)
+    outcome = refusal_outcome(exc)
+    if outcome is not None and metrics is not None:
+        metrics.record(strategy, outcome)
+    return Answer(kind, msg, param_of(exc))

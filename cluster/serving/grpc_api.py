@@ -30,7 +30,6 @@ bigger messages before they are read.
 """
 from __future__ import annotations
 
-import logging
 
 from cluster.engine.request import (
     MAX_OPTIONS,
@@ -44,17 +43,10 @@ from cluster.models.chat import MAX_MESSAGES
 from cluster.serving.requests import Fields
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
-from protos.guard import GUARDED_SERVICER_FUNCTIONS, MalformedRequest
-
-log = logging.getLogger("specserve.serve")
+from protos.guard import MalformedRequest
 
 
 SERVICE = "specserve.v1.SpecServe"
-
-
-# What Serve's gRPC proxy registers (start_serve and the KubeRay manifest): the generated services with
-# guarded request deserializers (protos/guard.py: light, the proxy does not import this module).
-SERVICER_FUNCTIONS = GUARDED_SERVICER_FUNCTIONS
 
 
 def malformed_error(m: MalformedRequest) -> ParamError:

@@ -22,19 +22,16 @@ types and outcomes come from the one table, :mod:`cluster.serving.error_table`. 
 
 import asyncio
 import json
-import logging
 import time
 
 from cluster.errors import shown
 from cluster.serving.auth import Unauthenticated, bearer_token
-from cluster.serving.error_table import classify, message, param_of, refusal_outcome
+from cluster.serving.error_table import answer
 from cluster.serving.chat import ChatFormat, fields_from_chat
 from cluster.serving.completions import CompletionFormat, fields_from_openai
 from cluster.serving.http_api import model_list, oai_error, parse_body, read_body
-from cluster.serving.metrics import strategy_label
 from cluster.serving.requests import admit
 
-log = logging.getLogger("specserve.http")
 RETRY_AFTER = {"Retry-After": "1"}        # seconds; /health's 503 while the unit is not ready
 
 
@@ -105,19 +102,13 @@ def build_http_app(dep):
     return app
 
 
-def refused(dep, exc: BaseException, strategy) -> object:
-    """The error response for ``exc`` (the one error table); counts the refusal unless the coordinator
-    already counted it."""
-    kind = classify(exc)
-    if kind.internal:
-        log.error("internal error", exc_info=exc)
-    elif kind.refused:
-        log.info("refused (%d): %s", kind.http_status, exc)          # one line per refused request
-    outcome = refusal_outcome(exc)
-    if outcome is not None and dep.coord.metrics is not None:
-        dep.coord.metrics.record(strategy_label(strategy or dep.cfg.engine.strategy), outcome)
-    return json_response(oai_error(message(exc), kind.openai_type, param_of(exc), kind.http_status),
-                         kind.http_status, kind.headers)
+def refused(dep, exc: BaseException, strategy, **extra_headers: str) -> object:
+    """The OpenAI error response rendering the one error procedure's answer for ``exc``
+    (:func:`cluster.serving.error_table.answer`: logged and counted there)."""
+    ans = answer(exc, dep.coord.metrics, strategy or dep.cfg.engine.strategy)
+    headers = dict(ans.kind.headers or {}, **extra_headers)
+    return json_response(oai_error(ans.message, ans.kind.openai_type, ans.param, ans.kind.http_status),
+                         ans.kind.http_status, headers or None)
 
 
 async def _sse(dep, req, fmt):
@@ -166,13 +157,7 @@ class BearerAuth:
                 not scope["path"].rstrip("/").endswith("/health"):
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             if self.dep.keys.role(bearer_token(header)) is None:
-                exc = Unauthenticated()
-                kind = classify(exc)
-                log.info("refused (%d): missing or invalid API key", kind.http_status)
-                if self.dep.coord.metrics is not None:
-                    self.dep.coord.metrics.record(strategy_label(self.dep.cfg.engine.strategy), kind.outcome)
-                response = json_response(oai_error(str(exc), kind.openai_type, None, kind.http_status),
-                                         kind.http_status, {"WWW-Authenticate": "Bearer"})
+                response = refused(self.dep, Unauthenticated(), None, **{"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.errors import ParamError, shown
 from cluster.strategies import REGISTRY
@@ -58,6 +58,17 @@ class OpenAIRequest(BaseModel):
     strategy: str | None = Field(None, description="one of " + ", ".join(sorted(REGISTRY)))
     options: dict[str, Any] | None = Field(None, description="an object of strategy options")
     ignore_eos: bool | None = Field(None, description="true or false")
+    _usage: tuple[bool, bool] = PrivateAttr((False, False))
+
+    @model_validator(mode="after")
+    def _parse_stream_options(self):
+        self._usage = stream_options(self.stream_options, self.stream)    # once, before any work
+        return self
+
+    @property
+    def usage_flags(self) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats), parsed from ``stream_options`` with the body."""
+        return self._usage
 
     def common_fields(self) -> dict:
         """The shared fields as :class:`cluster.serving.requests.Fields` keywords (``top_k: -1`` is off)."""

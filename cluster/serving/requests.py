@@ -70,11 +70,11 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
 
 
 def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:
-    """Build, validate and tokenize through ``coord.validate`` (the engine's ``prepare``; blocking).  A
+    """Build, validate and tokenize through ``coord.prepare`` (the engine's; blocking).  A
     refusal of a rendered chat prompt names ``messages``."""
     try:
         tokenizer = coord.engine.tokenizer if f.messages is not None else None
-        return coord.validate(build_request(cfg, f, tokenizer))
+        return coord.prepare(build_request(cfg, f, tokenizer))
     except ParamError as e:
         name = "messages" if f.messages is not None and e.name == "prompt" else f.names.get(e.name)
         if name is None:

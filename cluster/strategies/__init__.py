@@ -17,8 +17,9 @@ from cluster.strategies.base import (
     StepContext,
     Strategy,
     all_options,
+    check_option_name,
     register,
     resolve_options,
 )
 
-__all__ = ["REGISTRY", "ModelCall", "Option", "Propose", "ProposeAdaptive", "Score", "StepContext", "Strategy", "all_options", "register", "resolve_options"]
+__all__ = ["REGISTRY", "ModelCall", "Option", "Propose", "ProposeAdaptive", "Score", "StepContext", "Strategy", "all_options", "check_option_name", "register", "resolve_options"]

@@ -164,17 +164,22 @@ def all_options() -> dict[str, Option]:
     return out
 
 
+def check_option_name(strategy: str, name: Any) -> None:
+    """THE option-name check (the engine's admission, the CLI and :func:`resolve_options` use it): ``name``
+    must be an option ``strategy`` declares, else :class:`ParamError` naming those it accepts."""
+    declared = [o.name for o in REGISTRY[strategy].options]
+    if name not in declared:
+        raise ParamError("option", f"options of strategy {strategy}: " + (", ".join(declared) or "none"), name)
+
+
 def resolve_options(strategy: str, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """Validated options for ``strategy``: request values over config defaults over declared defaults.
 
     Unknown option names raise :class:`ParamError` naming the options the strategy accepts.
     """
-    cls = REGISTRY[strategy]
-    declared = {o.name: o for o in cls.options}
+    declared = {o.name: o for o in REGISTRY[strategy].options}
     for key in given:
-        if key not in declared:
-            raise ParamError("option", f"options of strategy {strategy}: "
-                             + (", ".join(declared) or "none"), key)
+        check_option_name(strategy, key)
     out = {}
     for name, opt in declared.items():
         value = given.get(name, defaults.get(name, opt.default))

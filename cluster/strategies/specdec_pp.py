@@ -16,6 +16,7 @@ handle by the builder (:mod:`cluster.models.build`).
 """
 from __future__ import annotations
 
+from cluster.core.draft_stop import DEFAULT_THRESHOLD
 from cluster.core.drafting import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
@@ -23,7 +24,7 @@ from cluster.strategies.base import Option, StepContext, Strategy, register
 from cluster.strategies.speculative import DRAFTER, VERIFY, speculative_step
 
 K_MAX = Option("k_max", int, 12, "SpecDec++: hard cap on draft tokens per step", low=1, high=64)
-THRESHOLD = Option("threshold", float, 0.5, "SpecDec++: stop drafting once P(some candidate rejected) > h",
+THRESHOLD = Option("threshold", float, DEFAULT_THRESHOLD, "SpecDec++: stop drafting once P(some candidate rejected) > h",
                    low=0.0, high=1.0)
 HEAD = Option("head", str, None, "SpecDec++: the acceptance head, by drafter name: the chosen drafter's built "
               "head (default); naming another drafter's head picks that drafter")

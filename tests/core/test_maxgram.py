@@ -4,9 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.core.maxgram import MaxGramIndex, brute_force_predict
+from cluster.core.maxgram import MaxGramIndex
 from cluster.family.bigram import build_bigram
 from cluster.models.maxgram import MagHandle, load_bigram, save_bigram
+from tests.support.maxgram_oracle import brute_force_predict
 
 ops = st.lists(st.one_of(st.tuples(st.just("append"), st.lists(st.integers(0, 3), min_size=1, max_size=6)),
                          st.tuples(st.just("truncate"), st.integers(0, 40))), min_size=1, max_size=25)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.core.maxgram import MaxGramIndex, brute_force_predict
+from cluster.core.maxgram import MaxGramIndex
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
@@ -17,6 +17,7 @@ from tests.support.exact import (
     max_abs_diff,
     target_joint,
 )
+from tests.support.maxgram_oracle import brute_force_predict
 
 ops = st.lists(st.one_of(st.tuples(st.just("append"), st.lists(st.integers(0, 2), min_size=1, max_size=8)),
                          st.tuples(st.just("truncate"), st.integers(1, 60))), min_size=1, max_size=20)

@@ -136,7 +136,7 @@ class FakeCoordinator:
     def live_requests(self):
         return [SimpleNamespace(rid="live-request", status="running")]
 
-    def validate(self, req):
+    def prepare(self, req):
         if self.fail_with is not None:
             raise self.fail_with
         return req

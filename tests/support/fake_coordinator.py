@@ -28,7 +28,7 @@ class EngineCoordinator:
         self.fail_with = None           # raised at admission
         self.fail_after_first = None    # raised after the first chunk
 
-    def validate(self, req):
+    def prepare(self, req):
         return self.engine.prepare(req)
 
     async def stream(self, req):
