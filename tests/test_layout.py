@@ -150,7 +150,7 @@ def test_function_level_imports_only_for_heavy_dependencies(graph):
 
 def test_modules_stay_small():
     big = [f"{p.relative_to(ROOT)}: {n}" for p in project_modules().values()
-           if (n := len(p.read_text().splitlines())) > 400]
+           if (n := len(p.read_text().splitlines())) > 300]
     assert not big, big
 
 
@@ -237,3 +237,78 @@ def test_architecture_names_every_directory_config_manifest_and_test_room():
     assert test_rooms == named, f"tests/: rooms not named: {test_rooms - named}; named, missing: {named - test_rooms}"
     for path in re.findall(r"`(support/\w+\.py)`", dirs["tests"]):
         assert (ROOT / "tests" / path).is_file(), path
+
+
+# -- the prose claims are held to the code ------------------------------------------------------------------
+README = ROOT / "README.md"
+_ROOM_CELL = {"local.py": "local", "cluster/__init__.py": "face"}
+
+
+def _import_table(text: str, heading_line: str) -> dict[str, set[str]]:
+    """{room: rooms it may import} from the markdown table that follows ``heading_line`` in ``text``."""
+    lines = text[text.index(heading_line):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        allowed = re.sub(r"\([^)]*\)", "", cells[1])               # parenthesised remarks are prose
+        if "nothing" in allowed:
+            rooms = set()
+        elif "every" in allowed:
+            rooms = {"every"}
+        else:
+            rooms = {w.strip().strip("`") for w in allowed.split(",") if w.strip()}
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            table[_ROOM_CELL.get(name, name)] = rooms
+    return table
+
+
+def _expected(room_name: str, written: set[str]) -> set[str]:
+    return set(ALLOWED) - {room_name, "face"} if written == {"every"} else written
+
+
+def test_the_import_tables_of_the_docs_are_the_rules_the_layout_test_enforces():
+    arch = _import_table(ARCH.read_text(), "### Which room may import which")
+    assert set(arch) == set(ALLOWED), f"docs/architecture.md rows: {set(arch) ^ set(ALLOWED)}"
+    readme = _import_table(README.read_text(), "| room | may import (besides itself) |")
+    assert set(readme) == set(ALLOWED) - {"face"}, f"README rows: {set(readme) ^ (set(ALLOWED) - {'face'})}"
+    for where, table in (("docs/architecture.md", arch), ("README.md", readme)):
+        bad = {r: sorted(_expected(r, table[r]) ^ ALLOWED[r]) for r in table if _expected(r, table[r]) != ALLOWED[r]}
+        assert not bad, f"{where}'s import table differs from tests/test_layout.py's ALLOWED: {bad}"
+
+
+def test_readme_names_every_test_room():
+    block = README.read_text().split("\ntests/", 1)[1].split("\n```", 1)[0]
+    named = set(re.findall(r"(\w+)/", block.split(";")[0]))
+    rooms = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"} - {"support"}
+    assert named == rooms, f"README's tests/ line: rooms not named {rooms - named}, named but missing {named - rooms}"
+
+
+def test_the_face_row_names_what_cluster_exports():
+    import cluster
+    row = next(line for line in _section("Which room may import which").splitlines()
+               if line.startswith("| `cluster/__init__.py`"))
+    assert set(re.findall(r"`(\w+)`", row.split("|")[3])) == set(cluster.__all__), row
+
+
+def test_the_composition_roots_are_the_modules_that_assemble_a_model_set():
+    named = set(re.findall(r"^\* `cluster/([\w/]+\.py)`", _section("Two composition roots").split("\n\n", 2)[2],
+                           flags=re.M))
+    assembling = {str(p.relative_to(ROOT / "cluster")) for p in (ROOT / "cluster").rglob("*.py")
+                  if re.search(r"\bModelSet(\.assemble)?\(", p.read_text()) and p.name != "model_set.py"}
+    assert named == assembling == {"local.py", "serving/unit.py"}, (named, assembling)
+
+
+def test_algorithm_docstrings_carry_no_run_numbers():
+    """Measured ratios and timings go stale; they live in docs/ and the benchmarks' output."""
+    ratio = re.compile(r"\b\d+(?:\.\d+)?x\b|measured[^.]*?\b\d+(?:\.\d+)? ?ms\b")
+    bad = []
+    for room_name in ("core", "strategies", "engine"):
+        for p in sorted((ROOT / "cluster" / room_name).glob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node) or ""
+                    bad += [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for m in ratio.finditer(doc)]
+    assert not bad, bad

@@ -1,8 +1,9 @@
 """The load-aware planner: one draft length per drafter per engine step, chosen CLOSED LOOP from measured goodput.
 
-A speculative step is worth its extra target tokens only while the target forward is cheap in tokens:
-batching 16 rows costs ~2.4x one row, and at high batch a 5-token verification costs ~1.8x a decoding
-step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures it).  The open-loop cost
+A speculative step is worth its extra target tokens only while the target forward is cheap in tokens: a
+batch of rows costs far less than its rows one by one, and at high batch a verification of k + 1 tokens
+costs a multiple of a decoding step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures
+it; docs/cluster.md has measured numbers).  The open-loop cost
 model alone misprices a step (the drafter's catch-up after plain steps, the engine's own work per round,
 round trips, noise), so the planner measures what its choices really yield and moves toward what measures
 best, in the spirit of vLLM's batch-size-dependent draft length and SGLang's adaptive speculation, of
@@ -34,8 +35,8 @@ and the second carries what the forward costs miss (the engine's own work, round
 drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
 plain steps before it, and had no block pre-drafted during the last verification (separated topology), so
 it costs what switching costs, not what k costs.  A one-step probe of k > 0 from a band settled on k = 0
-was only ever such a step (measured served at batch 1: k = 4 at 1.65x its modelled time, 18.8 ms, against
-15 ms per step of a run of k = 4), which kept the band at k = 0; hence runs of ``probe_run`` plans.
+was only ever such a step, which measured slower than a run of the same k and kept the band at k = 0
+(docs/cluster.md, "The load-aware planner served"); hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
 ``B_g * T_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
