@@ -12,6 +12,8 @@ import asyncio
 
 import grpc
 
+from protos.ray_private import wrap_handler_factory
+
 MAX_MESSAGE_BYTES = 8 << 20
 
 GUARDED_SERVICER_FUNCTIONS = ["protos.guard.add_specserve_servicer", "protos.guard.add_health_servicer"]
@@ -62,8 +64,9 @@ class _Captured:
 # cancel to the replica only while it is awaiting the replica's next chunk: there a CancelledError reaches
 # ``ProxyResponseGenerator`` which cancels the replica call.  A cancel that arrives while the proxy's
 # generator is parked at ``yield`` (the chunk is being sent to the client) becomes a GeneratorExit that the
-# proxy's ``except BaseException`` swallows, and the replica call runs to its end (~10% of cancelled
-# streams).  Serve offers no hook for this, so we wrap the proxy's own streaming handler: a pump task keeps
+# proxy's ``except BaseException`` swallows, and the replica call runs to its end (some of the cancelled
+# streams).  Serve offers no hook for this, so we wrap the proxy's own streaming handler (a private patch,
+# applied through protos/ray_private.py only on the Ray it was written for): a pump task keeps
 # the proxy's generator always inside that await (it asks for the next chunk as soon as one arrives and
 # queues it), and when the RPC ends early (the client cancels or disconnects: gRPC's done callback, or our
 # generator being closed) the pump task is cancelled, i.e. the cancel lands exactly where Serve handles it.
@@ -172,9 +175,7 @@ def _pumping_factory(factory):
 
 
 def _add_guarded(add_generated, servicer, server) -> None:
-    factory = getattr(server, "service_handler_factory", None)    # Serve's gRPCGenericServer only
-    if factory is not None and not getattr(factory, _PUMPED, False):
-        server.service_handler_factory = _pumping_factory(factory)
+    wrap_handler_factory(server, _pumping_factory, _PUMPED)      # Serve's proxy server, on the Ray it was written for
     captured = _Captured()
     add_generated(servicer, captured)
     for service, methods in captured.services.items():

@@ -14,6 +14,7 @@ from cluster.serving.app import start_serve
 from cluster.serving.bind_hook import HOOK, hook_env
 from cluster.serving.client import SpecServeClient, main_client
 from cluster.serving.ray_node import load_head, save_head, start_node, token_file, use_token
+from protos.ray_private import check_startup
 
 
 def add_cluster_commands(sub) -> None:
@@ -103,6 +104,7 @@ def cmd_up(args) -> int:
     timeout = check_float("timeout", args.timeout, 1, 86400)
     cl = cfg.cluster
     host, cert, key = _grpc_listen(args, cl)
+    check_startup(needs_binding=True)          # the gRPC host / TLS binding patches Ray internals
     address, node = args.address, None
     if not address:
         node = start_node(port=check_int("ray_port", args.ray_port, 1024, 65535),

@@ -31,6 +31,7 @@ from cluster.serving.http_app import build_http_app
 from cluster.serving.metrics import make_metrics
 from cluster.serving.requests import admit
 from protos import specserve_pb2 as pb
+from protos.ray_private import check_startup
 
 # -- the deployment --------------------------------------------------------------------------------
 
@@ -149,8 +150,10 @@ class SpecServeDeployment:
 
 # -- deploying -------------------------------------------------------------------------------------
 def build_app(cfg: Config):
-    """The bound Serve application for ``cfg`` (one deployment; replicas = serving units)."""
+    """The bound Serve application for ``cfg`` (one deployment; replicas = serving units).  On a Ray other than
+    the one protos/ray_private.py was written for it runs as plain Serve (one warning; docs/cluster.md)."""
     from ray import serve
+    check_startup(needs_binding=False)
     # serve.ingress() without an app: Serve builds it per replica with __serve_build_asgi_app__; the gRPC
     # methods stay methods of the same class, which Serve's gRPC proxy calls by name
     dep = serve.deployment(serve.ingress()(SpecServeDeployment), name=DEPLOYMENT).options(

@@ -12,13 +12,16 @@ replicas inherit; in each worker process it replaces those two module attributes
   (``grpc.ssl_server_credentials``, RFC 8446 via gRPC's own TLS stack);
 * a replica's inter-deployment server listens on its node's address (127.0.0.1 on a local cluster).
 
-Both replaced functions are private to Ray and pinned with it (pyproject.toml); ``tests/serving/
-test_security.py`` measures the listening sockets, so a Ray upgrade that moves them fails there, not silently.
+Both replaced functions are private to Ray: the replacing happens in :mod:`protos.ray_private`, only on the
+Ray it was written for (``specserve up`` refuses another at start-up), and ``tests/serving/test_security.py``
+measures the listening sockets.
 Without the hook (``serve deploy``, KubeRay) Serve binds as above and the ingress terminates TLS.
 """
 from __future__ import annotations
 
 import os
+
+from protos.ray_private import replace_grpc_binding
 
 GRPC_HOST_ENV = "SPECSERVE_GRPC_HOST"
 TLS_CERT_ENV = "SPECSERVE_GRPC_TLS_CERT"
@@ -54,8 +57,6 @@ def install() -> None:
     if not host:
         return
     import ray
-    from ray.serve._private import default_impl, replica
-
     creds = server_credentials()
 
     def add_grpc_address(server, address: str) -> None:        # Serve's proxy: "[::]:<grpc_port>"
@@ -65,11 +66,5 @@ def install() -> None:
         else:
             server.add_secure_port(target, creds)
 
-    original = replica.add_port_to_grpc_server
     node_ip = ray.util.get_node_ip_address()
-
-    def add_port_to_grpc_server(server, address: str):         # a replica's internal server: "[::]:0"
-        return original(server, f"{node_ip}:{_port(address)}")
-
-    default_impl.add_grpc_address = add_grpc_address
-    replica.add_port_to_grpc_server = add_port_to_grpc_server
+    replace_grpc_binding(add_grpc_address, lambda address: f"{node_ip}:{_port(address)}")   # replicas: "[::]:0"
