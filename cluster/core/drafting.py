@@ -129,7 +129,7 @@ class DraftCtx:
 def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):
     """The program for ``spec`` continuing committed + ``work``, at most ``limit`` tokens -> DraftBlock."""
     if spec.kind == "cascade":
-        toks, qs, _ = yield from Cascade(dc, spec).draft(0, list(work), limit)
+        toks, qs, _ = yield from CSDraftProgram(dc, spec).draft(0, list(work), limit)
         q = torch.stack(qs) if qs else None
         return pack_block(toks, q, dc.sampling, forwards=dc.forwards)
     name = spec.drafters[0]
@@ -145,7 +145,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):
     return pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
 
 
-class Cascade:
+class CSDraftProgram:
     """One CS Drafting draft (Chen et al. 2024, *Cascade Speculative Drafting*, Algorithm
     "CascadeSpeculativeDraftingStep"), below the target: row r of the K-matrix walked left to right
     (horizontal cascade), drafters reviewing the drafts of the ones below them (vertical cascade), with

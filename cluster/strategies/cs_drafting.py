@@ -167,7 +167,7 @@ class CSDrafting(Strategy):
         return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        """The whole cascade below the target runs on the draft side (:class:`cluster.core.drafting.Cascade`),
+        """The whole cascade below the target runs on the draft side (:class:`cluster.core.drafting.CSDraftProgram`),
         in one call; the target verifies its block as any draft."""
         return speculative_step(ctx, self.spec, ctx.budget - 1, self.verify)
 

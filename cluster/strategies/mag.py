@@ -6,17 +6,10 @@ recovers from p with x removed: exact, at the cost of nothing but the target's f
 """
 from __future__ import annotations
 
-from cluster.core.drafting import DRAFTS, DraftSpec
-from cluster.core.verifiers import VERIFIERS
+from cluster.core.drafting import DRAFTS
 from cluster.errors import ParamError
-from cluster.strategies.base import StepContext, Strategy, register
-from cluster.strategies.speculative import (
-    PLAN,
-    VERIFY,
-    K,
-    draft_length,
-    speculative_step,
-)
+from cluster.strategies.base import register
+from cluster.strategies.speculative import PLAN, VERIFY, K, Speculative
 
 
 def find_mag(models) -> str:
@@ -30,22 +23,12 @@ def find_mag(models) -> str:
 
 
 @register
-class Mag(Strategy):
+class Mag(Speculative):
+    """:class:`Speculative` with the Max-Gram drafter: the same step, another drafter and no drafter option."""
+
     name = "mag"
     help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
     options = (K, VERIFY, PLAN)
 
-    def __init__(self, opts, models, target):
-        super().__init__(opts, models, target)
-        self.mag = find_mag(models)
-        self.k = opts["k"]
-        self.verify = VERIFIERS[opts["verify"]]
-        self.drafter = self.mag
-        self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
-        self.spec = DraftSpec("propose", (self.mag,))
-
-    def roles(self) -> list[str]:
-        return [self.target_name, DRAFTS]
-
-    def step(self, ctx: StepContext):
-        return speculative_step(ctx, self.spec, draft_length(ctx, self.k), self.verify)
+    def choose_drafter(self, opts) -> str:
+        return find_mag(self.models)

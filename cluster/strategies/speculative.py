@@ -33,11 +33,16 @@ class Speculative(Strategy):
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
-        self.drafter = self.check_drafter(opts["drafter"] or self.drafter_names()[0])
+        self.drafter = self.choose_drafter(opts)
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
         self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
         self.spec = DraftSpec("propose", (self.drafter,))
+
+    def choose_drafter(self, opts) -> str:
+        """The drafter option, else the config's first drafter (a strategy that is this one with another
+        drafter says which here)."""
+        return self.check_drafter(opts["drafter"] or self.drafter_names()[0])
 
     def roles(self) -> list[str]:
         return [self.target_name, DRAFTS]
