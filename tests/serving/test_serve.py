@@ -300,15 +300,15 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
         assert shapes == [(32, 64), (32, 64)]                 # each rank holds half of q_proj's rows
         single = HFWorker.from_pretrained(tmp_path / "target", "target")
         sp = SamplingParams(0.0)
-        for h in (tp, single):
-            h.prefill("r", PROMPT, sp, 0)
+        tp.prefill_batch([("r", PROMPT, sp, 0)])     # the remote handle: batched forms (one round trip each)
+        single.prefill("r", PROMPT, sp, 0)
         draft = [5, 6, 7]
-        a, b = tp.score("r", draft), single.score("r", draft)              # [4, V]
+        (a,), b = tp.score_batch([("r", draft)]), single.score("r", draft)            # [4, V]
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=0)
         for h in (tp, single):                                              # KV rollback on the shards
             h.rollback("r", len(PROMPT) + 1)
             h.extend("r", [9])
-        assert torch.allclose(tp.score("r", []), single.score("r", []), atol=1e-4, rtol=0)
+        assert torch.allclose(tp.score_batch([("r", [])])[0], single.score("r", []), atol=1e-4, rtol=0)
         for h in (tp, single):
             h.release("r")
         tp.flush()                                   # a remote handle queues a release until the step's end

@@ -226,7 +226,7 @@ def test_openai_request_errors_name_the_field(body, name, tiny_engine):
     from cluster.serving.completions import fields_from_openai
     from cluster.serving.requests import prepare
     cfg = load_config("configs/tiny.yaml")
-    coord = SimpleNamespace(engine=tiny_engine, validate=tiny_engine.prepare)
+    coord = SimpleNamespace(engine=tiny_engine, prepare=tiny_engine.prepare)
     with pytest.raises(ParamError) as e:
         prepare(coord, cfg, fields_from_openai(body)[0])
     assert e.value.name == name
