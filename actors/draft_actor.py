@@ -44,7 +44,7 @@ class DraftHost:
         def one(h) -> dict:
             return dict(name=h.name, vocab_size=h.vocab_size, max_length=h.max_length, num_params=h.num_params,
                         specdec_head=picklable(getattr(h, "specdec_head", None)),
-                        deterministic=bool(getattr(h, "deterministic", False)))
+                        deterministic=bool(getattr(h, "deterministic", False)), memory=getattr(h, "memory", None))
         s = self.side
         return dict(name=s.name, vocab_size=s.vocab_size, max_length=s.max_length, num_params=s.num_params,
                     deterministic=False, members={n: one(h) for n, h in s.members.items()})

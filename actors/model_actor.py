@@ -31,7 +31,7 @@ class ModelHost:
         w = self.worker
         return dict(name=w.name, vocab_size=w.vocab_size, max_length=w.max_length, num_params=w.num_params,
                     specdec_head=picklable(getattr(w, "specdec_head", None)),
-                    deterministic=bool(getattr(w, "deterministic", False)))
+                    deterministic=bool(getattr(w, "deterministic", False)), memory=getattr(w, "memory", None))
 
     def step(self, call: StepCall):
         """-> (packed result of the call's method, compute seconds)."""

@@ -23,6 +23,7 @@ from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
+from cluster.engine.kv_budget import derive_kv_budget
 from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
 from cluster.engine.rounds import run_rounds
 from cluster.engine.scheduler import Limits, Scheduler
@@ -75,10 +76,14 @@ class Engine(CallerDriven):
     @classmethod
     def configured(cls, models: dict[str, ModelHandle], tokenizer: Tokenizer, target: str, spec,
                    planner=None) -> "Engine":
-        """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
+        """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this).  Without
+        ``kv_budget_tokens`` the budget is derived from the models' memory reports (:mod:`cluster.engine.kv_budget`)."""
+        budget = spec.kv_budget_tokens or derive_kv_budget(
+            models, fraction=getattr(spec, "kv_memory_fraction", 0.9), memory_gib=getattr(spec, "device_memory_gib",
+                                                                                           None))
         return cls(models, tokenizer, target=target, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
-                   limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens),
+                   limits=Limits(spec.max_batch, spec.max_queue, budget),
                    request_timeout_s=spec.request_timeout_s, overlap=spec.overlap == "on")
 
     # -- admission ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from cluster.core.sampling import (
     sample,
 )
 from cluster.models.head import resolve_head
+from cluster.models.memory import memory_report
 from cluster.models.slot_cache import SlotCache
 from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit, read_config
 
@@ -60,6 +61,7 @@ class BatchedHFWorker:
         self.layout = attention_layout(cfg, type(model))     # ConfigError for what cannot be served exactly
         self.max_length = int(max_length or position_limit(cfg))
         self.num_params = sum(p.numel() for p in model.parameters())
+        self.memory = memory_report(model)            # for the engine's default KV budget
         self.deterministic = False
         self.device = next(model.parameters()).device
         self._cache = SlotCache(self.layout.layer_types, self.max_length)

@@ -184,9 +184,9 @@ class Coordinator:
         return seq.result
 
     def _kv_capacity(self) -> int:
-        """KV positions the unit's running requests may reserve: ``engine.kv_budget_tokens``, else
-        ``max_batch`` rows of the target's full length."""
-        budget = self.cfg.engine.kv_budget_tokens
+        """KV positions the unit's running requests may reserve: the engine's KV budget (configured or derived
+        from device memory), else ``max_batch`` rows of the target's full length."""
+        budget = self.engine.scheduler.limits.kv_budget_tokens
         return budget or self.max_batch * max(1, int(getattr(self.engine.models[self.cfg.target], "max_length", 0)
                                                      or 1))
 

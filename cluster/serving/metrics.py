@@ -9,8 +9,8 @@ per-iteration ITL) and ``request_time_per_output_token_seconds`` (per request); 
 (queue, prefill, decode, inference) are timed as vLLM's ``RequestStateStats`` (``vllm/v1/metrics/stats.py``):
 queued at admission, scheduled when the request joins the running batch, first and last token when the
 engine emits them.  ``kv_cache_usage_perc`` is the fraction of the unit's KV positions the running requests
-reserve (``engine.kv_budget_tokens``, else ``max_batch`` x the target's length), what admission is decided on.  Ray prefixes every name with
-``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
+reserve (``engine.kv_budget_tokens``, configured or derived from device memory), what admission is decided
+on.  Ray prefixes every name with ``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
 ``ray_vllm_spec_decode_num_drafts_total``.  (A ``:`` in a Ray metric name is deprecated and the series is
 dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name.
 

@@ -199,6 +199,7 @@ class RemoteHandle:
         self.max_length = int(info["max_length"])
         self.num_params = int(info["num_params"])
         self.deterministic = bool(info.get("deterministic", False))   # declared by the hosted handle
+        self.memory = info.get("memory")      # KV bytes per token, weights, device memory (the KV budget)
         self.placement = placement
         self.tp_size = len(endpoint.actors)
         if info.get("specdec_head") is not None:       # a SpecDec++ drafter's acceptance head
