@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency",
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
-    b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, mag, "
-                   "cs_drafting (default all the config serves)")
+    b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
+                   "load_aware, mag, mag_load_aware, cs_drafting (default all the config serves)")
+    b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")
+    b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated (default both)")
     b.add_argument("--requests-per-client", dest="requests_per_client",
                    help="served suite: requests per client per cell (default: max(2c, 8) requests per cell)")
     b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "
