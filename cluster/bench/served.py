@@ -9,17 +9,19 @@ at the end, on errors and Ctrl-C too.  All traffic goes to 127.0.0.1.
 
 Rows (``--strategies``, default all the config can serve): ``autoregressive``; ``default`` (a request
 naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
-(drafter-large, or the config's default drafter, fixed k=4); ``load_aware`` (the same with ``plan=load_aware``);
-``mag`` (Max-Gram drafter, fixed k=4), ``mag_load_aware`` (its ``plan=load_aware``) and ``cs_drafting``
-(default options).  At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32, clamped to
-``engine.max_batch + engine.max_queue``) every row runs one cell per mode in turn (interleaved, so a noisy
-machine affects them alike): ``c`` client threads send requests back to back, unary (``Generate``) or
-streaming (``GenerateStream``), ``--modes`` (default both), over the held-out prompts, ``c * --requests-per-client`` requests per cell (default
-``max(2c, 8)``), greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request generates the same
-number of tokens.  One untimed warm-up request per row first.
+(drafter-large, or the config's default drafter, fixed k=4); ``load_aware`` (the same with
+``plan=load_aware``); ``mag`` (Max-Gram drafter, fixed k=4), ``mag_load_aware`` (its ``plan=load_aware``),
+``cs_drafting`` (default options) and ``cs_load_aware`` (its ``plan=load_aware``).  At each concurrency ``c``
+(``--concurrency``, default 1,2,4,8,16,32, clamped to ``engine.max_batch + engine.max_queue``) every row runs
+one cell per mode in turn (interleaved, so a noisy machine affects them alike): ``c`` client threads send
+requests back to back, unary (``Generate``) or streaming (``GenerateStream``), ``--modes`` (default both),
+over the held-out prompts: ``c * --requests-per-client`` requests per cell, or ``--requests-per-cell`` (at
+least c), default ``max(2c, 8)``; greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request
+generates the same number of tokens.  One untimed warm-up request per row and mode first.
 
 Per cell: output tokens/s (generated tokens / wall time of the cell, first submit to last chunk), its
-ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same row, TTFT p50/p99 (streamed) (submit -> first chunk with tokens), TPOT p50/p99
+ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same row, TTFT p50/p99 (streamed
+only: submit -> first chunk with tokens), TPOT p50/p99
 (per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status.  At ``c = 1`` each row also
 runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
 counts) right after its served cell, for the ``cluster_vs_in_process`` column.  Every greedy output, served
@@ -46,7 +48,8 @@ from cluster.local import build_engine
 from cluster.serving.app import start_serve
 from cluster.serving.client import SpecServeClient
 
-ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting")
+ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
+        "cs_load_aware")
 MODES = ("unary", "streamed")
 TOPOLOGIES = ("separated", "colocated")
 LEVELS = (1, 2, 4, 8, 16, 32)
@@ -69,7 +72,8 @@ def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
             "load_aware": ("speculative", {"k": K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}),
             "mag": ("mag", {"k": K, "plan": "fixed"}),
             "mag_load_aware": ("mag", {"k": K, "plan": "load_aware"}),
-            "cs_drafting": ("cs_drafting", {})}
+            "cs_drafting": ("cs_drafting", {}),
+            "cs_load_aware": ("cs_drafting", {"plan": "load_aware"})}
 
 
 def parse_choices(name: str, text, allowed: tuple[str, ...]) -> list[str]:
@@ -152,6 +156,7 @@ class Plan:
     max_new: int
     rpc: int | None
     time_limit: float
+    per_cell: int | None = None      # requests per cell, at least c (when no requests per client is given)
 
 
 def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar, start: float) -> int:
@@ -176,7 +181,7 @@ def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar,
             if first:
                 in_process_cell(engine, plan.prompts, 1, min(WARMUP_TOKENS, plan.max_new), strategy, opts)
         for c in plan.levels:
-            n = c * plan.rpc if plan.rpc else max(2 * c, 8)
+            n = c * plan.rpc if plan.rpc else max(plan.per_cell, c) if plan.per_cell else max(2 * c, 8)
             for name in plan.rows:
                 strategy, opts = specs[name]
                 for mode in plan.modes:
@@ -214,13 +219,15 @@ def _plan(args, cfg, engine) -> Plan:
         print(f"[bench served: {note}]")
     rpc = getattr(args, "requests_per_client", None)
     rpc = check_int("requests_per_client", rpc, 1, 10_000) if rpc is not None else None
+    per_cell = getattr(args, "requests_per_cell", None)
+    per_cell = check_int("requests_per_cell", per_cell, 1, 100_000) if per_cell is not None else None
     time_limit = check_float("time_limit", getattr(args, "time_limit", None) or DEFAULT_TIME_LIMIT_S, 1.0, 1e6)
     modes = parse_choices("modes", getattr(args, "modes", None) or ",".join(MODES), MODES)
     topologies = parse_choices("topologies", getattr(args, "topologies", None) or ",".join(TOPOLOGIES), TOPOLOGIES)
     wanted = parse_strategies(getattr(args, "strategies", None) or ",".join(ROWS))
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
     rows = servable(engine, row_specs(cfg), wanted)
-    return Plan(prompts, rows, levels, modes, topologies, max_new, rpc, time_limit)
+    return Plan(prompts, rows, levels, modes, topologies, max_new, rpc, time_limit, per_cell)
 
 
 def collect(args, cfg) -> Results:

@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
     b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
-                   "load_aware, mag, mag_load_aware, cs_drafting (default all the config serves)")
+                   "load_aware, mag, mag_load_aware, cs_drafting, cs_load_aware (default all the config serves)")
+    b.add_argument("--requests-per-cell", dest="requests_per_cell",
+                   help="served suite: requests per cell, at least c (instead of --requests-per-client)")
     b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")
     b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated (default both)")
     b.add_argument("--requests-per-client", dest="requests_per_client",

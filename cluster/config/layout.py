@@ -147,8 +147,8 @@ class StreamSpec:
     ``interval_tokens`` tokens or ``interval_ms`` (null: no time bound) have passed since the last one, or the
     request ends.  Chunks a slow reader has not taken yet are always merged (cluster/serving/chunks.py)."""
 
-    interval_tokens: int = 1
-    interval_ms: float | None = None
+    interval_tokens: int = 16
+    interval_ms: float | None = 250.0
 
     def validate(self, path: str) -> None:
         if not 1 <= self.interval_tokens <= 4096:

@@ -98,18 +98,18 @@ class ChunkBox:
         self._ready.set()
 
     async def take(self, timeout: float | None = None) -> list:
-        """Everything pending, waiting for at least one item (or ``timeout`` seconds: then ``[]``)."""
-        while not self._pending:
+        """Everything pending, waiting for at least one item (or ``timeout`` seconds: then ``[]``).  The timeout
+        is a timer that sets the event, not ``asyncio.wait_for``, which before Python 3.12 can swallow a
+        cancellation that lands as the event is set (a cancelled stream would then run to its end)."""
+        if not self._pending:
             self._ready.clear()
-            if self._pending:
-                break
-            if timeout is None:
+        if not self._pending:
+            timer = None if timeout is None else self.loop.call_later(timeout, self._ready.set)
+            try:
                 await self._ready.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self._ready.wait(), timeout)
-                except asyncio.TimeoutError:
-                    return []
+            finally:
+                if timer is not None:
+                    timer.cancel()
         out = []
         while self._pending:
             out.append(self._pending.popleft())

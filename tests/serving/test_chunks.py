@@ -180,3 +180,28 @@ def test_shipped_configs_parse_the_stream_section():
     for path in ("configs/tiny.yaml", "configs/local.yaml"):
         s = load_config(path).cluster.stream
         assert s.interval_tokens >= 1
+
+
+@pytest.mark.parametrize("woken", [False, True])
+def test_a_cancelled_reader_is_cancelled_even_as_its_chunk_arrives(woken):
+    """A stream's reader cancelled while it waits out the interval must see the cancellation (the coordinator
+    then aborts the request), also when a chunk arrives in the same loop iteration: ``asyncio.wait_for`` before
+    Python 3.12 returned the chunk and swallowed the cancel, and the cancelled request ran to its end."""
+    async def main():
+        box = ChunkBox(asyncio.get_running_loop())
+        gen = paced(box, _is_end, interval_tokens=100, interval_ms=60_000)
+        box.put(StreamChunk([1], "a"))
+        await gen.__anext__()
+        task = asyncio.ensure_future(gen.__anext__())
+        box.put(StreamChunk([2], "b"))          # held: the reader waits on its interval timer now
+        await asyncio.sleep(0)                  # let the task reach its wait (one loop iteration)
+        await asyncio.sleep(0)
+        if woken:                               # the wake-up has run and the wait ended when the cancel comes
+            box.put(StreamChunk([3], "c"))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
