@@ -20,6 +20,7 @@ class Rec(Timed):
 
     prompt: int = 0
     error: str | None = None          # gRPC status name
+    chunks: int = 0                   # messages received (1 for a unary call)
 
 
 @dataclass
@@ -76,11 +77,12 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
                 res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
                                       seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True)
                 rec.first = rec.last = time.perf_counter()
-                rec.token_ids = list(res.token_ids)
+                rec.token_ids, rec.chunks = list(res.token_ids), 1
                 return
             for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
                                        seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
                 now = time.perf_counter()
+                rec.chunks += 1
                 if chunk.token_ids:
                     if rec.first is None:
                         rec.first = now

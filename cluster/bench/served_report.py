@@ -61,6 +61,7 @@ def make_table(cells, rows, levels, mismatches, runtimes) -> list[dict]:
                     "topology": topology, "mode": mode, "strategy": name, "concurrency": c,
                     "requests": len(m.recs), "tokens": m.tokens, "seconds": round(m.seconds, 3),
                     "tok_s": round(m.tok_s, 1), "vs_autoregressive": _ratio(m, ar),
+                    "chunks_per_request": round(sum(r.chunks for r in ok) / len(ok), 1) if ok else None,
                     "streamed_vs_unary": _ratio(m, cells.get((f"{topology}/unary", name, c))) if m.streamed else None,
                     "ttft_p50": round(1e3 * pct([r.ttft for r in ok], 50), 2) if timed else None,
                     "ttft_p99": round(1e3 * pct([r.ttft for r in ok], 99), 2) if timed else None,
