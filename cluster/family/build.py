@@ -56,8 +56,10 @@ from pathlib import Path
 import torch
 
 import cluster.family.corpus as corpus
+import cluster.family.instruct as instruct
 from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.cache import _build_lock, load_manifest
+from cluster.family.chateval import evaluate_generation
 from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
 from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
 from cluster.family.presets import EOT, PRESETS, ZooConfig
@@ -151,9 +153,12 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
     if len(train_stream) <= cfg.seq_len + 1 or len(held_stream) <= cfg.seq_len + 1:
         raise RuntimeError("corpus too small for the configured sequence length")
 
+    pairs = instruct.train_pairs(train_files, max_chars=cfg.max_train_chars) if cfg.instruct_rows else []
+    chat = instruct.chat_stream(tokenizer, pairs, eot_id) if pairs else None
+
     # ---- models
     target = _make_model(cfg.target, cfg, eot_id, seed)
-    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads)}
+    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat)}
     drafters = {}
     init_info = {}
     for k, spec in enumerate(cfg.drafters):
@@ -163,7 +168,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
                 raise ValueError(f"{spec.name}: init_from_target needs hidden == target hidden")
             init_info[spec.name] = {"copied_target_layers": _init_from_target(d, target)}
         drafters[spec.name] = d
-    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads))
+    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads, chat))
     models = {"target": target, **drafters}
     specs = {"target": cfg.target, **{s.name: s for s in cfg.drafters}}
 
@@ -176,6 +181,9 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
     t0 = time.perf_counter()
     metrics = evaluate(models, held_stream, cfg, progress, max_threads=threads)
     eval_secs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    generation = evaluate_generation(models, tokenizer, files, cfg, eot_id, seed)
+    gen_secs = time.perf_counter() - t0
     t0 = time.perf_counter()
     # batch 1 at each thread count, then the serving setting (one thread) at each cost batch
     settings = [(n, 1) for n in sorted({threads, 1}, reverse=True)] + [(1, b) for b in cfg.cost_batches if b != 1]
@@ -238,6 +246,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
             "tokenizer": round(tok_secs, 1),
             **{f"train:{n}": i["train_seconds"] for n, i in train_info.items()},
             "evaluate": round(eval_secs, 1),
+            "chat_evaluate": round(gen_secs, 1),
             "latency": round(lat_secs, 1),
         },
         "threads": threads,
@@ -261,6 +270,9 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
             "heldout_tokens": int(len(held_stream)),
             "eval_tokens": metrics["target"]["eval_tokens"],
         },
+        "instruct": {"source": "docstrings / leading comments of train-split functions -> the function",
+                     "pairs": len(pairs), "tokens": int(len(chat[0])) if chat is not None else 0},
+        **generation,
         "seq_len": cfg.seq_len,
         "param_ratio_target_to_smallest_drafter": round(ratio, 2),
         "agreement": {n: round(metrics[n]["agreement"], 4) for n in drafters},
