@@ -14,23 +14,31 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
    optimizer state stay float32; ~1.7x faster steps here), and untied input
    and output embeddings trained at 25x the blocks' learning rate (each
    embedding row sees few updates; held-out loss 4.22 vs 5.01 tied at 500
-   steps in the experiments behind the v2 preset);
+   steps in the experiments behind the v2 preset).  Its last ``instruct_steps``
+   batches also hold ``instruct_rows`` rows of instruction pairs
+   (:mod:`cluster.family.instruct`: a train-split function's docstring or
+   leading comment as a served chat request, the function as the answer, loss
+   on the answer), so the target answers a chat request with code (v3);
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
    (KL to the target's soft labels mixed with a little CE, one shared target
-   forward per batch).  ``drafter-large`` shares the target's width and starts
+   forward per batch; every batch holds the same share of instruction rows).
+   ``drafter-large`` shares the target's width and starts
    from a copy of the target's embeddings, first/last blocks, final norm and
    head ("layer-dropped" initialisation);
 4. evaluate every model on the held-out files: loss (nats/token), next-token
    accuracy, and *greedy agreement* with the target (fraction of held-out
-   positions where ``argmax drafter == argmax target``, teacher-forced), and
+   positions where ``argmax drafter == argmax target``, teacher-forced); the
+   target's greedy chat answers to held-out requests (how many parse) and each
+   drafter's greedy speculation on them and on completions
+   (:mod:`cluster.family.chateval`); and
    measure single-token forward latency with a KV cache (batch 1 at the build's
    thread counts; batch 1 and 16 at one thread, the served setting, as each
    model's *cost* relative to the target);
 5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
    write ``manifest.json``.
 
-Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v2`` or
-``~/.cache/specserve/zoo-v2``)::
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v3`` or
+``~/.cache/specserve/zoo-v3``)::
 
     cache_dir/
       manifest.json           # written last; its presence marks a complete build
