@@ -5,6 +5,7 @@ Bad arguments print one line naming the parameter, its allowed range and the val
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -44,8 +45,17 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + opt.name.replace("_", "-"), dest="opt_" + opt.name, help=opt.help)
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``), as pip and ``--version`` show it."""
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:      # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding engine and cluster")
+    parser.add_argument("--version", action="version", version=f"specserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion in-process")

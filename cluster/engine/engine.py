@@ -19,6 +19,7 @@ from cluster.core.calls import prefill, prefill_scored
 from cluster.core.draft_side import DraftSide
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle, Tokenizer
+from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
@@ -107,7 +108,8 @@ class Engine(CallerDriven):
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
-                          list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs)
+                          list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs,
+                          prediction=Prediction(req.prediction_ids, len(req.prompt_ids)) if req.prediction_ids else None)
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s

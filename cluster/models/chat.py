@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+import jinja2.ext
+from jinja2 import meta
+
 from cluster.errors import ParamError, check_text
 from cluster.models.tokenizer import ByteTokenizer
 
@@ -65,19 +69,54 @@ def _text(content: Any, i: int) -> str:
     return check_text("messages", content, MAX_CHAT_CHARS, allow_empty=True)
 
 
-def render_chat(tokenizer, messages: Any) -> str:
-    """The prompt text of ``messages`` under ``tokenizer``'s chat template, the assistant's turn opened."""
+# what the server passes to a template itself, and transformers' template globals: never a client's kwargs
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize", "chat_template",
+                            "tools", "documents", "continue_final_message", "return_dict", "return_tensors",
+                            "padding", "truncation", "max_length", "tokenizer_kwargs", "bos_token", "eos_token",
+                            "pad_token", "unk_token", "raise_exception", "strftime_now", "tojson")
+
+
+def template_variables(template: str) -> set[str] | None:
+    """The variables a chat template reads (Jinja's ``meta.find_undeclared_variables`` of its syntax tree, with
+    the extensions transformers compiles templates with); None when it does not parse here (then the
+    template itself decides when it is rendered)."""
+    try:
+        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return meta.find_undeclared_variables(ast)
+
+
+def check_template_kwargs(template: str, kwargs: dict | None) -> dict:
+    """``kwargs`` (``chat_template_kwargs``): names the template reads, none the server sets itself.  Jinja
+    renders a variable the template never mentions as if it were not there, so a misspelt or unsupported switch
+    (``enable_thinkng``, or ``enable_thinking`` for a model that does not think) would be ignored silently: it
+    is refused, naming it, as every field this server does not act on is."""
+    names = set(kwargs or {})
+    read = template_variables(template)
+    readable = None if read is None else read - set(RESERVED_TEMPLATE_KWARGS)
+    bad = sorted(names & set(RESERVED_TEMPLATE_KWARGS)) + sorted(names - readable if readable is not None else ())
+    if bad:
+        raise ParamError("chat_template_kwargs", "names this model's chat template reads, other than what the "
+                         "server sets: " + (", ".join(sorted(readable or ())) or "none"), bad[0])
+    return dict(kwargs or {})
+
+
+def render_chat(tokenizer, messages: Any, template_kwargs: dict | None = None) -> str:
+    """The prompt text of ``messages`` under ``tokenizer``'s chat template, the assistant's turn opened;
+    ``template_kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
     msgs = check_messages(messages)
     template = chat_template(tokenizer)
     if template is None:
         raise ParamError("messages", "a served model with a chat template (this model's tokenizer has none: "
                          "use /v1/completions with a prompt)", "messages")
+    extra = check_template_kwargs(template, template_kwargs)
     hf = getattr(tokenizer, "tok", None)
     try:
         if hf is not None:
-            return hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **extra)
         from transformers.utils.chat_template_utils import render_jinja_template
-        (text,), _ = render_jinja_template([msgs], chat_template=template, add_generation_prompt=True)
+        (text,), _ = render_jinja_template([msgs], chat_template=template, add_generation_prompt=True, **extra)
         return text
     except Exception as e:                     # noqa: BLE001 - a template may raise on a conversation it refuses
         if type(e).__name__ in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):

@@ -16,11 +16,13 @@ from pydantic import Field
 from cluster.engine.request import MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
 from cluster.errors import ParamError
 from cluster.serving.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, stream_options, typed
+from cluster.serving.oai_fields import TEMPLATE_KWARGS_ALLOWED, template_kwargs
 from cluster.serving.oai_format import ResponseFormat, chat_logprobs, openai_finish
 from cluster.serving.requests import Fields
 
 ENDPOINT = "/v1/chat/completions"
-CHAT_NEUTRAL = {**NEUTRAL, **CHAT_ONLY_NEUTRAL}
+# chat_template_kwargs is served on chat (neutral-only on completions, where no template is rendered)
+CHAT_NEUTRAL = {k: v for k, v in {**NEUTRAL, **CHAT_ONLY_NEUTRAL}.items() if k != "chat_template_kwargs"}
 
 
 class ChatRequest(OpenAIRequest):
@@ -32,6 +34,7 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool | None = Field(None, description="true or false")
     top_logprobs: int | None = Field(None, description=f"null or an integer in [0, {MAX_TOP_LOGPROBS}] "
                                      "(with logprobs: true)")
+    chat_template_kwargs: Any = Field(None, description=TEMPLATE_KWARGS_ALLOWED)
 
 
 def fields_from_chat(body: Any) -> tuple[Fields, ChatRequest]:
@@ -42,6 +45,7 @@ def fields_from_chat(body: Any) -> tuple[Fields, ChatRequest]:
         raise ParamError("top_logprobs", "null or 0 unless logprobs is true", m.top_logprobs)
     limit = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
     return Fields(messages=m.messages, max_new_tokens=getattr(m, limit),
+                  template_kwargs=template_kwargs(m.chat_template_kwargs),
                   logprobs=(m.top_logprobs or 0) if m.logprobs else None,
                   names={"max_new_tokens": limit, "logprobs": "top_logprobs"}, **m.common_fields()), m
 
@@ -61,9 +65,7 @@ class ChatFormat(ResponseFormat):
     def whole(self, r: GenerationResult) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": r.text},
                   "logprobs": self._logprobs(r.logprobs), "finish_reason": openai_finish(r.finish_reason)}
-        out = self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids)))
-        out["specserve"] = self.extension(r)
-        return out
+        return self.finished(self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids), r.stats)), r)
 
     def opening(self) -> list[dict]:
         return [self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

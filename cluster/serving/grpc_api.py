@@ -30,6 +30,7 @@ bigger messages before they are read.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from cluster.engine.request import (
@@ -41,6 +42,7 @@ from cluster.engine.request import (
 )
 from cluster.errors import ParamError
 from cluster.models.chat import MAX_MESSAGES
+from cluster.serving.oai_fields import MAX_TEMPLATE_KWARGS_BYTES, TEMPLATE_KWARGS_ALLOWED, template_kwargs
 from cluster.serving.requests import Fields
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
@@ -70,6 +72,7 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
         raise malformed_error(m)
     for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
                                ("prompt", len(m.prompt), MAX_PROMPT_CHARS, "characters"),
+                               ("prediction", len(m.prediction), MAX_PROMPT_CHARS, "characters"),
                                ("stop", len(m.stop), MAX_STOP_STRINGS, "strings"),
                                ("options", len(m.options), MAX_OPTIONS, "options"),
                                ("messages", len(m.messages), MAX_MESSAGES, "messages")):
@@ -79,10 +82,24 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
     messages = [{"role": x.role, "content": x.content} for x in m.messages] or None
     return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, messages=messages,
                   stop=tuple(m.stop), strategy=m.strategy or None, options=dict(m.options),
-                  ignore_eos=m.ignore_eos, request_id=m.request_id or None, **opt)
+                  ignore_eos=m.ignore_eos, request_id=m.request_id or None,
+                  template_kwargs=template_kwargs_json(m.chat_template_kwargs), **opt)
 
 
-OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
+OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "prediction")
+
+
+def template_kwargs_json(text: str) -> dict | None:
+    """``chat_template_kwargs`` from its JSON text ("" = none)."""
+    if not text:
+        return None
+    if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ParamError("chat_template_kwargs", TEMPLATE_KWARGS_ALLOWED, f"{len(text)} characters")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ParamError("chat_template_kwargs", "a JSON object: " + TEMPLATE_KWARGS_ALLOWED, text) from None
+    return template_kwargs(value)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -92,7 +109,8 @@ def stats_to_proto(s) -> pb.Stats:
                     drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
                     accepted_hist=s.accepted_hist, accepted_per_pos=s.accepted_per_pos, wall_s=s.wall_s,
                     ttft_s=s.ttft_s, tokens_per_s=s.tokens_per_s, mean_accepted=s.mean_accepted,
-                    acceptance_rate=s.acceptance_rate)
+                    acceptance_rate=s.acceptance_rate, prediction_drafted=s.prediction_drafted,
+                    prediction_accepted=s.prediction_accepted)
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:

@@ -42,6 +42,8 @@ class Fields:
     logprobs: int | None = None            # top-n per emitted token (None: none)
     prompt_logprobs: int | None = None     # top-n per prompt token (None: none)
     names: dict[str, str] = field(default_factory=dict)   # engine parameter -> the front's name for it
+    prediction: str | None = None          # predicted output text (OpenAI's prediction.content)
+    template_kwargs: dict | None = None    # chat: extra chat-template variables (chat_template_kwargs)
 
 
 def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
@@ -59,14 +61,17 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
         if f.prompt or f.prompt_ids:
             raise ParamError("messages", "unset when a prompt is given (one of prompt, prompt_ids, messages)",
                              f.messages)
-        prompt = render_chat(tokenizer, f.messages)
+        prompt = render_chat(tokenizer, f.messages, f.template_kwargs)
+    elif f.template_kwargs:
+        raise ParamError("chat_template_kwargs", "unset unless messages are given", f.template_kwargs)
     gen = cfg.generation
     sampling = SamplingParams(temperature=_or(f.temperature, gen.temperature), top_p=_or(f.top_p, gen.top_p),
                               top_k=_or(f.top_k, gen.top_k))
     return GenerationRequest(prompt=prompt, prompt_ids=f.prompt_ids, sampling=sampling, seed=f.seed,
                              max_new_tokens=_or(f.max_new_tokens, gen.max_new_tokens), stop=tuple(f.stop),
                              strategy=f.strategy, options=dict(f.options), ignore_eos=f.ignore_eos,
-                             request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs)
+                             request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
+                             prediction=f.prediction)
 
 
 def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:

@@ -26,6 +26,7 @@ from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import ModelHandle
 from cluster.core.logprobs import TokenLogprob, token_logprobs
+from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.core.stats import RequestStats
 from cluster.errors import ParamError, check_choice, check_float, check_int
@@ -82,6 +83,7 @@ class StepContext:
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
     logprobs: int | None = None    # top-n of the target's logprobs per emitted token (None: not asked)
     step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
+    prediction: Prediction | None = None   # the client's predicted output (drafting strategies draw from it)
 
     @property
     def target(self) -> ModelHandle:
