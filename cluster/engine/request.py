@@ -49,6 +49,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None          # None: none; n in [0, MAX_TOP_LOGPROBS]: each emitted token's logprob + top-n
     prompt_logprobs: int | None = None   # None: none; n: each prompt token's logprob + top-n (the first has none)
+    grammar: Any = None                  # a cluster.core.constraint.Grammar: the output is constrained to it
 
 
 @dataclass
