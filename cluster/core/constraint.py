@@ -55,11 +55,15 @@ class Grammar(Protocol):
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``logits [..., V]`` with every token outside ``allowed [V']`` set to -inf (a mask shorter than the
-    logits forbids the rest: padding rows of a model's vocabulary are never allowed)."""
+    logits forbids the rest: padding rows of a model's vocabulary are never allowed).  A row that gives no
+    allowed token a finite logit (a model with exact zeros, e.g. a tabular test drafter) becomes uniform
+    over the allowed tokens, so the masked law is always defined."""
     V = logits.shape[-1]
     keep = allowed[:V] if allowed.shape[-1] >= V else \
         torch.cat([allowed, torch.zeros(V - allowed.shape[-1], dtype=torch.bool)])
-    return logits.masked_fill(~keep, float("-inf"))
+    out = logits.masked_fill(~keep, float("-inf"))
+    dead = ~torch.isfinite(out).any(-1, keepdim=True)                       # [..., 1]
+    return torch.where(dead & keep, torch.zeros_like(out), out)
 
 
 def constrain_rows(constraint: Constraint | None, prefix: Sequence[int], draft: Sequence[int],
