@@ -33,6 +33,8 @@ def test_family_template_is_written_once_and_read_by_transformers(tmp_path):
     assert sorted(p.parent.name for p in written) == ["target", "tokenizer"]
     assert (tmp_path / "target" / TEMPLATE_FILE).read_text() == CODE_CHAT_TEMPLATE
     assert ensure_chat_template(tmp_path) == []             # already there: nothing rewritten
+    (tmp_path / "target" / TEMPLATE_FILE).write_text("{{ messages[0]['content'] }}")   # an older version
+    assert [p.parent.name for p in ensure_chat_template(tmp_path)] == ["target"]
     tok = HFTokenizer(tmp_path / "target")
     assert render_chat(tok, MESSAGES) == render_chat(ByteTokenizer(), MESSAGES)   # through apply_chat_template
 
