@@ -110,7 +110,7 @@ class ToolStream:
         self.start = self.fmt.find(self.text)
         end = self.start if self.start is not None else len(self.text) - self._held_back()
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
+        return "" if self.start is not None and not self.text[:self.start].strip() else out
 
     def finish(self) -> tuple[str, list[tuple[str, str]]]:
         """(the content still held, the calls) at the end of the output."""

@@ -114,3 +114,33 @@ def test_bad_values_are_400_naming_the_field(sdk, kw, field):
         client.chat.completions.create(model=cfg.cluster.app_name, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=4, **kw)
     assert e.value.body["param"] == field, e.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grpc_tool_loop_and_json_answer(served, stream):
+    """The same loop over gRPC (tools / response_format as JSON text, tool calls as ToolCall messages)."""
+    _, client = served
+
+    def ask(**kw):
+        args = dict(max_new_tokens=160, temperature=0.0, seed=3, strategy="speculative", **kw)
+        return client.generate(**args) if not stream else list(client.stream(**args))[-1].result
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = ask(messages=messages, tools=TOOLS, tool_choice="get_weather")
+    assert len(r.tool_calls) == 1 and r.tool_calls[0].name == "get_weather" and r.content == ""
+    jsonschema.validate(json.loads(r.tool_calls[0].arguments), WEATHER)
+    call = r.tool_calls[0]
+    messages += [{"role": "assistant", "content": "", "tool_calls": [
+                     {"id": call.id, "name": call.name, "arguments": call.arguments}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    final = ask(messages=messages, tools=TOOLS, response_format=JSON_ANSWER)
+    assert final.finish_reason == "eos" and not final.tool_calls
+    jsonschema.validate(json.loads(final.text), ANSWER)
+
+
+def test_grpc_bad_tool_choice_is_invalid_argument(served):
+    import grpc
+    _, client = served
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(messages=[{"role": "user", "content": "x"}], max_new_tokens=4, tools=TOOLS,
+                        tool_choice="launch")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tool_choice" in e.value.details()
