@@ -27,6 +27,7 @@ MAX_CHAT_CHARS = 1 << 20          # every message's content together (cluster.en
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ALLOWED = (f"a non-empty list of at most {MAX_MESSAGES} objects {{\"role\": one of {', '.join(ROLES)}, "
            "\"content\": a string or a list of text parts} (assistant: or tool_calls; tool: and tool_call_id)")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 CALL_SHAPE = ('tool_calls: a list of {"id": a string, "type": "function", "function": {"name": a string, '
               '"arguments": JSON object text}}')
 
@@ -62,7 +63,7 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
         if not isinstance(m, dict) or m.get("role") not in ROLES or ("content" not in m and not calls) or \
-                set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
+                any(v is not None for k, v in m.items() if k not in MESSAGE_KEYS):   # an SDK's null extras pass
             raise ParamError("messages", ALLOWED + f" (message {i})", m)
         content = "" if m.get("content") is None and calls else _text(m["content"], i)
         chars += len(content)

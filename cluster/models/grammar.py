@@ -128,6 +128,8 @@ class LLConstraint:
     def _move(self, gen: list[int]) -> None:
         path, c = self._path, 0
         n = min(len(path), len(gen))
+        if gen[:n] == path[:n]:                             # the usual case, compared at C speed
+            c = n
         while c < n and path[c] == gen[c]:
             c += 1
         if c < len(path):

@@ -29,19 +29,15 @@ ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
 JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def sdk(served):
-    cfg, _ = served
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.cluster.http_port}/v1", api_key="unused", max_retries=0,
-                           timeout=300)
-    yield cfg, client
-    client.close()
+
+def _args(cfg, messages, strategy, **kw) -> dict:
+    return dict(model=cfg.cluster.app_name, messages=messages, max_completion_tokens=160, temperature=0, seed=3,
+                extra_body={"strategy": strategy}, **kw)
 
 
 def _ask(client, cfg, messages, stream, strategy, **kw):
     """(content, [(id, name, arguments)], finish_reason) of one chat completion, streamed or not."""
-    args = dict(model=cfg.cluster.app_name, messages=messages, max_completion_tokens=160, temperature=0, seed=3,
-                extra_body={"strategy": strategy}, **kw)
+    args = _args(cfg, messages, strategy, **kw)
     if not stream:
         choice = client.chat.completions.create(**args).choices[0]
         calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
@@ -72,9 +68,14 @@ def test_sdk_tool_loop_and_json_answer_under_every_strategy(sdk, stream):
         assert call_id.startswith("call_") and name in ("get_weather", "get_time")
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(json.loads(arguments), schema)
-        messages += [{"role": "assistant", "content": content, "tool_calls": [
-                          {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
-                     {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]
+        said = {"role": "assistant", "content": content, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+        if not stream:       # the SDK's own message object, as OpenAI's examples append it (null extras included)
+            said = client.chat.completions.create(**_args(cfg, messages, strategy, tools=TOOLS, tool_choice="required",
+                                                          parallel_tool_calls=False)).choices[0].message
+            assert said.tool_calls[0].function.arguments == arguments
+            call_id = said.tool_calls[0].id
+        messages += [said, {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]
         final, more, finish = _ask(client, cfg, messages, stream, strategy, tools=TOOLS, response_format=JSON_ANSWER)
         assert finish == "stop" and more == [], (strategy, final, finish)
         jsonschema.validate(json.loads(final), ANSWER)
