@@ -2,13 +2,14 @@
 
 1. **Grammar engines side by side** (the measurement behind choosing llguidance, :mod:`cluster.models.grammar`):
    for the config's tokenizer and two byte-level BPE tokenizers trained here on the standard library's source
-   (32,000 and the ~85,000 tokens a 128,000 target reaches on it), one JSON schema (an object of a string, an
+   (targets of 32,000 and 128,000 tokens), one JSON schema (an object of a string, an
    enum, a bounded integer and a list of strings): the tokenizer set-up, the schema's compile time, and per
    step of a valid answer the mask (bitmask + advance) and its unpacking to a bool ``[V]`` mask, median and p90
    over the answer's tokens.  llguidance always; xgrammar and outlines-core where installed (not dependencies:
    ``pip install xgrammar outlines-core`` to compare).
-2. **Per step in the engine**: greedy autoregressive and speculative decoding of the same number of tokens
-   with and without the schema (``ignore_eos`` for the free run): ms per emitted token, the grammar's share.
+2. **In the engine**: greedy JSON answers under the schema with autoregressive, speculative and CS Drafting
+   decoding, in-process on the config's models: wall ms per emitted token, and the time and calls spent asking
+   the grammar (the target's rows, every drafter's masks, Max-Gram cuts), i.e. the grammar's share of a step.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
+from cluster.errors import check_int
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
 from cluster.models.grammar import JSON_OPTIONS, json_grammar
@@ -140,28 +142,44 @@ def engines_table(tokenizers: dict) -> list[dict]:
     return rows
 
 
+class _Timed:
+    """A grammar whose requests' states count their calls and the seconds spent in them (in-process only)."""
+
+    def __init__(self, grammar):
+        self.grammar, self.field, self.calls, self.seconds = grammar, grammar.field, 0, 0.0
+
+    def start(self, prompt_length: int):
+        inner, outer = self.grammar.start(prompt_length), self
+
+        class State:
+            def allowed(self, tokens):
+                t0 = time.perf_counter()
+                try:
+                    return inner.allowed(tokens)
+                finally:
+                    outer.calls += 1
+                    outer.seconds += time.perf_counter() - t0
+        return State()
+
+
 def engine_rows(cfg, n: int) -> list[dict]:
-    """ms per emitted token with and without the schema, greedy, through the in-process engine."""
+    """Per emitted token of greedy JSON answers through the in-process engine: wall ms, and the ms and calls
+    spent asking the grammar (target rows, every drafter's masks, Max-Gram cuts)."""
     engine = build_engine(cfg)
-    grammar = json_grammar(SCHEMA, engine.tokenizer)
     rows = []
-    for strategy in ("autoregressive", "speculative"):
-        base = dict(prompt="# user: the weather as JSON\n# assistant:\n", sampling=SamplingParams(0.0), seed=0,
-                    strategy=strategy)
-        ms = {}
-        for label in ("constrained", "free") * 2:           # warm-up round, then measured
-            t0, tokens = time.perf_counter(), 0
-            for i in range(n):
-                if label == "constrained":
-                    r = engine.generate(GenerationRequest(max_new_tokens=256, grammar=grammar, **base))
-                    length = len(r.token_ids)
-                else:
-                    r = engine.generate(GenerationRequest(max_new_tokens=length, ignore_eos=True, **base))
-                tokens += len(r.token_ids)
-            ms[label] = (time.perf_counter() - t0) / tokens * 1e3
-        rows.append({"strategy": strategy, "tokens": length, "free ms/token": ms["free"],
-                     "constrained ms/token": ms["constrained"],
-                     "grammar share": (ms["constrained"] - ms["free"]) / ms["constrained"]})
+    for strategy in ("autoregressive", "speculative", "cs_drafting"):
+        timed = _Timed(json_grammar(SCHEMA, engine.tokenizer))
+        req = dict(prompt="# user: the weather as JSON\n# assistant:\n", sampling=SamplingParams(0.0), seed=0,
+                   strategy=strategy, max_new_tokens=256, grammar=timed)
+        engine.generate(GenerationRequest(**req))                      # warm-up (compiles, caches)
+        timed.calls, timed.seconds = 0, 0.0
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(n):
+            tokens += len(engine.generate(GenerationRequest(**req)).token_ids)
+        wall = time.perf_counter() - t0
+        rows.append({"strategy": strategy, "V": engine.vocab_size, "tokens": tokens, "ms/token": wall / tokens * 1e3,
+                     "grammar ms/token": timed.seconds / tokens * 1e3, "grammar calls/token": timed.calls / tokens,
+                     "us/call": timed.seconds / max(timed.calls, 1) * 1e6, "grammar share": timed.seconds / wall})
     return rows
 
 
@@ -176,8 +194,9 @@ def run(args, cfg) -> int:
         tokenizers[f"BPE {size // 1000}k target"] = _bpe(size, out / "grammar-tokenizers")
     rows = engines_table(tokenizers)
     print_table(rows, "grammar engines: one JSON schema, per step of a valid answer")
-    erows = engine_rows(cfg, args.prompts)
-    print_table(erows, f"per emitted token in the engine, greedy, {args.prompts} requests each")
+    n = check_int("prompts", args.prompts, 1, 256)
+    erows = engine_rows(cfg, n)
+    print_table(erows, f"per emitted token in the engine, greedy, {n} requests each")
     write_results(rows, out, "bench_grammar_engines")
     write_results(erows, out, "bench_grammar_engine")
     return 0
