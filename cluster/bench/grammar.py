@@ -20,13 +20,17 @@ import statistics
 import time
 from pathlib import Path
 
+import llguidance
+import llguidance.hf
 import numpy as np
+import torch
 
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.errors import check_int
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
+from cluster.models.build import load_tokenizer
 from cluster.models.grammar import JSON_OPTIONS, json_grammar
 
 SCHEMA = {"type": "object", "properties": {
@@ -61,8 +65,6 @@ def _walk(ids, mask, advance, V) -> dict:
 
 
 def _llguidance(hf, V):
-    import llguidance
-    import llguidance.hf
     t0 = time.perf_counter()
     tok = llguidance.hf.from_tokenizer(hf, n_vocab=V)
     t1 = time.perf_counter()
@@ -88,7 +90,6 @@ def _xgrammar(hf, V):
 
 
 def _outlines(hf, V):
-    import torch
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
     t0 = time.perf_counter()
@@ -111,16 +112,17 @@ def _outlines(hf, V):
 ENGINES = {"llguidance": _llguidance, "xgrammar": _xgrammar, "outlines-core": _outlines}
 
 
-def _bpe(size: int, out: Path):
-    """A byte-level BPE of ``size`` tokens trained on the standard library's source (cached under ``out``)."""
+def _bpe(size: int, out: Path, files: int | None = None):
+    """A byte-level BPE of ``size`` tokens trained on the standard library's source (its first ``files`` files;
+    cached under ``out``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     path = out / f"bpe-{size}"
     if not (path / "tokenizer.json").exists():
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "**", "*.py"), recursive=True))
-        tok.train_from_iterator((open(p, encoding="utf-8", errors="ignore").read() for p in files),
+        paths = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "**", "*.py"), recursive=True))[:files]
+        tok.train_from_iterator((open(p, encoding="utf-8", errors="ignore").read() for p in paths),
                                 trainers.BpeTrainer(vocab_size=size, special_tokens=["<|endoftext|>"],
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
@@ -184,7 +186,6 @@ def engine_rows(cfg, n: int) -> list[dict]:
 
 
 def run(args, cfg) -> int:
-    from cluster.models.build import load_tokenizer
     out = Path(args.out or "bench_out")
     tokenizers = {}
     own = load_tokenizer(cfg)
