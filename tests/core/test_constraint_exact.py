@@ -1,6 +1,6 @@
 """Constrained decoding is exact under every lossless strategy: with a grammar (a DFA over 4 tokens,
 tests/support/grammar.py), speculative sampling (token and block verification), Max-Gram, CS Drafting
-(lossy reviews below the target) and autoregressive decoding emit exactly the law of constrained
+(lossy reviews below the target), SpecDec++ and autoregressive decoding emit exactly the law of constrained
 autoregressive sampling from the target (its logits masked, then temperature / top-k / top-p), alone and
 batched with unconstrained requests, by exact enumeration of every random draw (cluster/core/constraint.py).
 """
@@ -19,6 +19,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import resolve_options
+from tests.support.adaptive import AdaptiveTabular
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
@@ -37,7 +38,8 @@ def _models(seed: int) -> dict:
             "large": TabularModel("large", V, seed=seed + 100, zeros=True),
             "small": TabularModel("small", V, seed=seed + 200, zeros=True),
             # bigram 0->1->2->0, 3->3: proposes forbidden transitions often, so the cut is exercised
-            "mag": MagHandle(V, np.array([1, 2, 0, 3]))}
+            "mag": MagHandle(V, np.array([1, 2, 0, 3])),
+            "adaptive": AdaptiveTabular("adaptive", V, seed=seed + 300, accept=0.9, zeros=True)}
 
 
 CASES = [   # strategy, options, sampling, budget per step
@@ -50,6 +52,7 @@ CASES = [   # strategy, options, sampling, budget per step
     ("cs_drafting", dict(drafters="large,small,mag", kmatrix="1,0,0;0,1,0;0,0,2", lenience=2.5),
      SamplingParams(1.0), 4),
     ("cs_drafting", dict(drafters="small,mag", kmatrix="1,1;0,2"), SamplingParams(0.9, top_k=3), 4),
+    ("specdec_pp", dict(drafter="adaptive", k_max=3, threshold=0.5), SamplingParams(1.0), 4),
 ]
 
 
