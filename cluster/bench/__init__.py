@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, edit, load, main, served, transport, verify
+from cluster.bench import cascades, cluster, cs, edit, grammar, load, main, served, transport, verify
 
 SUITES = {
     "main": main.run,
@@ -16,4 +16,5 @@ SUITES = {
     "served": served.run,
     "transport": transport.run,
     "edit": edit.run,
+    "grammar": grammar.run,
 }

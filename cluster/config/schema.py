@@ -166,6 +166,22 @@ class MagSpec:
             raise ConfigError(f"{path}.occurrence: must be recent or first, got {self.occurrence!r}")
 
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")    # cluster/models/tool_calls.py: FORMATS
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """Chat completions.  ``tool_parser``: the format the served checkpoint writes tool calls in (vLLM's
+    ``--tool-call-parser`` names): ``hermes`` (Hermes, Qwen 2.5 / 3; the embedded family's template),
+    ``llama3_json`` (Llama 3.x), ``mistral``."""
+
+    tool_parser: str = "hermes"
+
+    def validate(self, path: str) -> None:
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"{path}.tool_parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+
+
 @dataclass(frozen=True)
 class Config:
     models: dict[str, ModelSpec]
@@ -175,6 +191,7 @@ class Config:
     zoo_cache_dir: str | None = None
     mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
     cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/config/layout.py)
+    chat: ChatSpec = field(default_factory=ChatSpec)            # tool-call format of /v1/chat/completions
     source: str = "<dict>"
 
     def validate(self) -> None:
@@ -192,6 +209,7 @@ class Config:
         self.engine.validate("engine")
         self.generation.validate("generation")
         self.cluster.validate("cluster")
+        self.chat.validate("chat")
         drafter = self.engine.options.get("drafter")
         if drafter is not None and (drafter not in self.models or drafter == self.target):
             raise ConfigError(f"engine.options.drafter: {drafter!r} is not a drafter in models")

@@ -198,7 +198,8 @@ class DraftSide:
             if key in done:
                 continue
             st = self._reqs[rid]
-            dc = DraftCtx(rid, self.members, st.sampling, st.rng, self._syncer(st, rid), self._holder(st))
+            dc = DraftCtx(rid, self.members, st.sampling, st.rng, self._syncer(st, rid), self._holder(st),
+                          committed=st.seq)
             gens[key] = (rid, run_program(spec, dc, work, limit))
             advance(key, gens[key][1], None, pending, done)
         while pending:

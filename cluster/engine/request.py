@@ -50,6 +50,7 @@ class GenerationRequest:
     logprobs: int | None = None          # None: none; n in [0, MAX_TOP_LOGPROBS]: each emitted token's logprob + top-n
     prompt_logprobs: int | None = None   # None: none; n: each prompt token's logprob + top-n (the first has none)
     prediction: str | list[int] | None = None   # predicted output, text or ids (OpenAI's prediction.content)
+    grammar: Any = None                  # a cluster.core.constraint.Grammar: the output is constrained to it
 
 
 @dataclass

@@ -6,6 +6,7 @@ naming the field, the allowed range and the (truncated) value.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from typing import Any
@@ -70,7 +71,13 @@ def prepare(req: GenerationRequest, models: dict[str, ModelHandle], tokenizer: T
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
     seed = check_int("seed", seed, 0, MAX_SEED)
     prediction = check_prediction(req.prediction, tokenizer, target_len, vocab_size)
-    return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
+    sampling = req.sampling
+    if req.grammar is not None:
+        if not strategy.constrained:
+            raise ParamError(req.grammar.field, "strategies that sample a grammar's law exactly with it: " +
+                             ", ".join(sorted(n for n, c in REGISTRY.items() if c.constrained)), f"strategy {name}")
+        sampling = dataclasses.replace(sampling, constraint=req.grammar.start(len(ids)))
+    return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, sampling, seed,
                            tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from cluster.core.constraint import mask_logits
 from cluster.core.draft_stop import DraftStop
 from cluster.core.sampling import (
     Rng,
@@ -190,10 +191,12 @@ class BatchedHFWorker:
             done = set()
             for i, (lg, hid) in zip(live, res):
                 req, (_, k, head, rule) = reqs[i], items[i]
-                tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
+                last = lg[-1] if req.sampling.constraint is None else \
+                    mask_logits(lg[-1], req.sampling.constraint.allowed(req.tokens))   # a grammar's law (core/constraint.py)
+                tok = sample(logits_to_probs(last, req.sampling), req.rng)
                 req.tokens.append(tok)
                 out[i][0].append(tok)
-                out[i][1].append(lg[-1])
+                out[i][1].append(last)
                 if rule is None:
                     stop = step >= k
                 else:                                                # e_{i-1}: candidate i-1's acceptance

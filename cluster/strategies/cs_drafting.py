@@ -132,6 +132,7 @@ class CSDrafting(Strategy):
     help = "Cascade Speculative Drafting: drafters review smaller drafters' drafts (vertical) and share " \
            "draft positions by size (horizontal); lossless at the target"
     options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY, KMATRIX_UNIT, MAG_LENIENCE, PLAN)
+    constrained = True
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)

@@ -37,6 +37,7 @@ class Mag(Strategy):
     name = "mag"
     help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
     options = (K, VERIFY, PLAN)
+    constrained = True
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)

@@ -30,6 +30,7 @@ class Speculative(Strategy):
     name = "speculative"
     help = "draft k tokens with a neural drafter, verify them in one target pass"
     options = (DRAFTER, K, VERIFY, PLAN)
+    constrained = True
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
@@ -69,7 +70,7 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
         ctx.stats.forward(name, n)
     draft = block.tokens
     p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
-    p = ctx.probs(p_logits)
+    p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
     ctx.stats.forward(ctx.target_name, target=True)
     q = block.probs(p.shape[-1], ctx.sampling) if draft else p[:0]                # [L, V]
     verdict = verify(draft, q, p, ctx.rng)

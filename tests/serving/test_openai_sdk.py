@@ -13,14 +13,6 @@ MESSAGES = [{"role": "user", "content": "def fib(n):"}]
 GREEDY = dict(temperature=0, seed=5, extra_body={"ignore_eos": True})     # the tiny model is random
 
 
-@pytest.fixture(scope="module")
-def sdk(served):
-    cfg, _ = served
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.cluster.http_port}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    yield cfg, client
-    client.close()
-
 
 def test_sdk_chat_plain_and_streamed(sdk):
     cfg, client = sdk
