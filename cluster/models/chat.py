@@ -145,7 +145,8 @@ def check_template_kwargs(template: str, kwargs: dict | None) -> dict:
     return dict(kwargs or {})
 
 
-def render_chat(tokenizer, messages: Any, template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+def render_chat(tokenizer, messages: Any, *, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
     """The prompt text of ``messages`` under ``tokenizer``'s chat template, the assistant's turn opened;
     ``template_kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``);
     ``tools`` (OpenAI's ``tools``, already checked) are the template's ``tools``."""

@@ -62,7 +62,8 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
         if f.prompt or f.prompt_ids:
             raise ParamError("messages", "unset when a prompt is given (one of prompt, prompt_ids, messages)",
                              f.messages)
-        prompt = render_chat(tokenizer, f.messages, f.template_kwargs, f.structured.tools if f.structured else None)
+        prompt = render_chat(tokenizer, f.messages, template_kwargs=f.template_kwargs,
+                             tools=f.structured.tools if f.structured else None)
     elif f.template_kwargs:
         raise ParamError("chat_template_kwargs", "unset unless messages are given", f.template_kwargs)
     grammar = f.structured.compile(tokenizer, cfg.chat.tool_parser) if f.structured is not None else None

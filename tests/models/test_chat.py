@@ -79,7 +79,7 @@ LOOP = [{"role": "user", "content": "weather in Paris?"},
 def test_code_template_renders_a_tool_loop_through_transformers_too(tmp_path):
     """The family's template: tools listed, the assistant's call as the <tool_call> block the model writes (the
     hermes format), the tool's result as a message; the same through apply_chat_template(tools=...)."""
-    text = render_chat(ByteTokenizer(), LOOP, TOOLS)
+    text = render_chat(ByteTokenizer(), LOOP, tools=TOOLS)
     assert text == ('# available tool: {"name": "get_weather", "parameters": {"type": "object", "properties": '
                     '{"city": {"type": "string"}}, "required": ["city"]}}\n'
                     '# call a tool with <tool_call>, a JSON object {"name", "arguments"}, </tool_call>\n'
@@ -88,7 +88,7 @@ def test_code_template_renders_a_tool_loop_through_transformers_too(tmp_path):
                     '# assistant:\n')
     write_word_tokenizer(tmp_path / "tok", 16)
     ensure_chat_template(tmp_path)
-    assert render_chat(HFTokenizer(tmp_path / "tok"), LOOP, TOOLS) == text
+    assert render_chat(HFTokenizer(tmp_path / "tok"), LOOP, tools=TOOLS) == text
 
 
 @pytest.mark.parametrize("messages,words", [

@@ -99,11 +99,11 @@ def test_template_kwargs_reach_the_template_and_unread_ones_are_refused(tmp_path
     (tmp_path / "chat_template.jinja").write_text(THINKING)
     tok = HFTokenizer(tmp_path)
     assert render_chat(tok, MESSAGES) == "<user>def main():<assistant>"
-    assert render_chat(tok, MESSAGES, {"enable_thinking": False}) == "<user>def main():<assistant><think></think>"
-    assert render_chat(tok, MESSAGES, {"enable_thinking": True}) == "<user>def main():<assistant>"
+    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": False}) == "<user>def main():<assistant><think></think>"
+    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": True}) == "<user>def main():<assistant>"
     for bad in ({"enable_thinkng": False}, {"add_generation_prompt": False}, {"raise_exception": 1}):
         with pytest.raises(ParamError) as e:
-            render_chat(tok, MESSAGES, bad)
+            render_chat(tok, MESSAGES, template_kwargs=bad)
         assert e.value.name == "chat_template_kwargs" and "enable_thinking" in str(e.value), bad
 
 
