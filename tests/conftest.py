@@ -4,7 +4,8 @@ import socket
 import pytest
 import torch
 
-from cluster.config.schema import load_config
+from cluster.config.schema import MagSpec, load_config
+from cluster.family import ensure_built
 from tests.support.built import engine_for
 
 torch.set_num_threads(1)
@@ -25,16 +26,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def served():
-    """A local Ray and the Serve app on configs/tiny.yaml with real gRPC and HTTP ports on free ports: one per
-    test session (start-up dominates), shared by tests/serving and tests/loadtest."""
+    """A local Ray and the Serve app on configs/tiny.yaml plus the Max-Gram drafter, with real gRPC and HTTP ports
+    on free ports: one per test session (start-up dominates), shared by tests/serving and tests/loadtest."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     from cluster.serving.app import start_serve
     from cluster.serving.client import SpecServeClient
     cfg = load_config("configs/tiny.yaml")
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
-                                                               http_port=_free_port()))
+    cfg = dataclasses.replace(cfg, mag=MagSpec(), cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
+                                                                              http_port=_free_port()))
+    ensure_built(cfg, progress=False)           # the Max-Gram bigram table (strategies mag and cs_drafting with it)
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)

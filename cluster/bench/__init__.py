@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, load, main, served, transport, verify
+from cluster.bench import cascades, cluster, cs, edit, grammar, load, main, served, transport, verify
 
 SUITES = {
     "main": main.run,
@@ -15,4 +15,6 @@ SUITES = {
     "load": load.run,
     "served": served.run,
     "transport": transport.run,
+    "edit": edit.run,
+    "grammar": grammar.run,
 }

@@ -1,28 +1,33 @@
-"""``specserve bench --suite served``: every strategy as a user meets it, through gRPC, vs concurrency.
+"""``specserve bench --suite served``: every strategy as a user meets it, through gRPC, vs concurrency,
+unary and streamed side by side, in both topologies.
 
 The suite starts its own cluster: a local Ray (unless the caller already started one) and the Serve
-application of the config (:func:`cluster.serving.app.start_serve`) with ``cluster.topology`` forced to
-``separated`` and the gRPC/HTTP proxies on free 127.0.0.1 ports; it waits for the health service to say
-SERVING and shuts Serve (and the Ray it started) down at the end, on errors and Ctrl-C too.  All traffic
-goes to 127.0.0.1.
+application of the config (:func:`cluster.serving.app.start_serve`) once per topology (``--topologies``,
+default ``separated,colocated``: ``cluster.topology`` forced to each in turn) with the gRPC/HTTP proxies on free
+127.0.0.1 ports; it waits for the health service to say SERVING and shuts Serve (and the Ray it started) down
+at the end, on errors and Ctrl-C too.  All traffic goes to 127.0.0.1.
 
 Rows (``--strategies``, default all the config can serve): ``autoregressive``; ``default`` (a request
 naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
-(drafter-large, or the config's default drafter, fixed k=4); ``mag`` (Max-Gram drafter, fixed k=4) and
-``cs_drafting`` (default options).  At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32,
-clamped to ``engine.max_batch + engine.max_queue``) every row runs one cell in turn (interleaved, so a
-noisy machine affects them alike): ``c`` client threads send streaming requests (``GenerateStream``)
-back to back over the held-out prompts, ``c * --requests-per-client`` requests per cell (default
-``max(2c, 8)``), greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request generates the same
-number of tokens.  One untimed warm-up request per row first.
+(drafter-large, or the config's default drafter, fixed k=4); ``load_aware`` (the same with
+``plan=load_aware``); ``mag`` (Max-Gram drafter, fixed k=4), ``mag_load_aware`` (its ``plan=load_aware``),
+``cs_drafting`` (default options) and ``cs_load_aware`` (its ``plan=load_aware``).  At each concurrency ``c``
+(``--concurrency``, default 1,2,4,8,16,32, clamped to ``engine.max_batch + engine.max_queue``) every row runs
+one cell per mode in turn (interleaved, so a noisy machine affects them alike): ``c`` client threads send
+requests back to back, unary (``Generate``) or streaming (``GenerateStream``), ``--modes`` (default both),
+over the held-out prompts: ``c * --requests-per-client`` requests per cell, or ``--requests-per-cell`` (at
+least c), default ``max(2c, 8)``; greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request
+generates the same number of tokens.  One untimed warm-up request per row and mode first.
 
 Per cell: output tokens/s (generated tokens / wall time of the cell, first submit to last chunk), its
-ratio to autoregressive at the same ``c``, TTFT p50/p99 (submit -> first chunk with tokens), TPOT p50/p99
+ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same row, TTFT p50/p99 (streamed
+only: submit -> first chunk with tokens), TPOT p50/p99
 (per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status.  At ``c = 1`` each row also
 runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
 counts) right after its served cell, for the ``cluster_vs_in_process`` column.  Every greedy output, served
 and in-process, is checked against autoregressive's for the same prompt; any mismatch is printed and makes
-the exit code 1.  Writes ``bench_served.{csv,json,png}`` to ``--out``.
+the exit code 1.  Prints the whole table and the side-by-side summary (one line per topology and ``c``);
+writes ``bench_served.{csv,json,png}`` and ``bench_served_summary.{csv,json}`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -30,15 +35,12 @@ import dataclasses
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
 from cluster.bench.load import parse_concurrency
-from cluster.bench.projection import project
-from cluster.bench.report import print_table, write_results
 from cluster.bench.served_cells import Cell, in_process_cell, served_cell
-from cluster.bench.served_report import check_outputs, make_table, plot
+from cluster.bench.served_report import report
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
@@ -46,7 +48,10 @@ from cluster.local import build_engine
 from cluster.serving.app import start_serve
 from cluster.serving.client import SpecServeClient
 
-ROWS = ("autoregressive", "default", "speculative", "mag", "cs_drafting")
+ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
+        "cs_load_aware")
+MODES = ("unary", "streamed")
+TOPOLOGIES = ("separated", "colocated")
 LEVELS = (1, 2, 4, 8, 16, 32)
 K = 4
 PREFERRED_DRAFTER = "drafter-large"
@@ -54,7 +59,6 @@ WARMUP_TOKENS = 4
 REQUEST_TIMEOUT_S = 300.0        # one gRPC request; a stuck server fails it as DEADLINE_EXCEEDED
 READY_TIMEOUT_S = 600.0
 DEFAULT_TIME_LIMIT_S = 3600.0    # no new cell starts after this long (the table says what was left out)
-MAX_PRINTED_MISMATCHES = 20
 
 
 # -- what to run ------------------------------------------------------------------------------------
@@ -65,8 +69,19 @@ def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
     return {"autoregressive": ("autoregressive", {}),
             "default": (None, {}),
             "speculative": ("speculative", {"k": K, "plan": "fixed", **({"drafter": drafter} if drafter else {})}),
+            "load_aware": ("speculative", {"k": K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}),
             "mag": ("mag", {"k": K, "plan": "fixed"}),
-            "cs_drafting": ("cs_drafting", {})}
+            "mag_load_aware": ("mag", {"k": K, "plan": "load_aware"}),
+            "cs_drafting": ("cs_drafting", {}),
+            "cs_load_aware": ("cs_drafting", {"plan": "load_aware"})}
+
+
+def parse_choices(name: str, text, allowed: tuple[str, ...]) -> list[str]:
+    """``"a,b"`` -> the named ones of ``allowed``, in its order (a ParamError naming ``name`` otherwise)."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names or any(n not in allowed for n in names):
+        raise ParamError(name, "comma-separated of " + ", ".join(allowed), text)
+    return [a for a in allowed if a in names]
 
 
 def parse_strategies(text) -> list[str]:
@@ -111,28 +126,89 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def served_config(cfg):
-    """``cfg`` with the separated topology and the proxies on free 127.0.0.1 ports."""
+def served_config(cfg, topology: str = "separated"):
+    """``cfg`` with ``topology`` and the proxies on free 127.0.0.1 ports."""
     grpc_port, http_port = _free_ports(2)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(
-        cfg.cluster, topology="separated", grpc_port=grpc_port, http_port=http_port, http_host="127.0.0.1"))
+        cfg.cluster, topology=topology, grpc_port=grpc_port, http_port=http_port, http_host="127.0.0.1"))
 
 
 # -- the suite --------------------------------------------------------------------------------------
 @dataclass
 class Results:
     table: list[dict]
-    cells: dict[tuple[str, str, int], Cell]      # (runtime, row, c)
+    cells: dict[tuple[str, str, int], Cell]      # (runtime, row, c); runtime = topology/mode or in-process
     mismatches: list[tuple]
     rows: list[str]
     levels: list[int]
+    summary: list[dict] = dataclasses.field(default_factory=list)
 
 
-def collect(args, cfg) -> Results:
-    """Measure, print the table, write ``bench_served.{csv,json,png}`` to ``args.out``."""
-    import ray
+@dataclass
+class Plan:
+    """What one run measures (parsed from the arguments)."""
+
+    prompts: list
+    rows: list[str]
+    levels: list[int]
+    modes: list[str]
+    topologies: list[str]
+    max_new: int
+    rpc: int | None
+    time_limit: float
+    per_cell: int | None = None      # requests per cell, at least c (when no requests per client is given)
+
+
+def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar, start: float) -> int:
+    """Serve ``cfg`` in ``topology``, run its cells (the in-process c = 1 cells too, on the first topology);
+    returns how many cells the time limit left out.  Serve is shut down before returning, whatever happens."""
     from ray import serve
+    scfg = served_config(cfg, topology)
+    client, skipped, first = None, 0, topology == plan.topologies[0]
+    try:
+        t0 = time.perf_counter()
+        start_serve(scfg)
+        address = f"127.0.0.1:{scfg.cluster.grpc_port}"
+        client = SpecServeClient(address, app=scfg.cluster.app_name, timeout=REQUEST_TIMEOUT_S, api_key="")
+        client.wait_ready(READY_TIMEOUT_S)
+        print(f"[bench served: cluster up at {address} in {time.perf_counter() - t0:.1f}s "
+              f"(topology {topology}, engine.max_batch {cfg.engine.max_batch})]")
+        for name in plan.rows:               # warm-up, untimed: one short request per row, mode and runtime
+            strategy, opts = specs[name]
+            for mode in plan.modes:
+                served_cell(client, plan.prompts, 1, 1, min(WARMUP_TOKENS, plan.max_new), strategy, opts,
+                            stream=mode == "streamed")
+            if first:
+                in_process_cell(engine, plan.prompts, 1, min(WARMUP_TOKENS, plan.max_new), strategy, opts)
+        for c in plan.levels:
+            n = c * plan.rpc if plan.rpc else max(plan.per_cell, c) if plan.per_cell else max(2 * c, 8)
+            for name in plan.rows:
+                strategy, opts = specs[name]
+                for mode in plan.modes:
+                    if time.perf_counter() - start > plan.time_limit:
+                        skipped += 1
+                        continue
+                    bar.set_postfix_str(f"{topology} c={c} {name} {mode}")
+                    recs, secs = served_cell(client, plan.prompts, n, c, plan.max_new, strategy, opts,
+                                             stream=mode == "streamed")
+                    cells[(f"{topology}/{mode}", name, c)] = Cell(name, c, f"{topology}/{mode}", recs, secs)
+                    bar.update()
+                if c == 1 and first and time.perf_counter() - start <= plan.time_limit:   # in-process, same prompts
+                    bar.set_postfix_str(f"c=1 {name} in-process")
+                    recs, secs = in_process_cell(engine, plan.prompts, n, plan.max_new, strategy, opts)
+                    cells[("in-process", name, 1)] = Cell(name, 1, "in-process", recs, secs)
+                    bar.update()
+    finally:
+        if client is not None:
+            client.close()
+        try:
+            serve.shutdown()
+        except Exception as e:               # noqa: BLE001 - still shut Ray down; say what failed
+            print(f"[bench served: serve.shutdown() failed: {type(e).__name__}: {e}]")
+    return skipped
 
+
+def _plan(args, cfg, engine) -> Plan:
     n_prompts = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     if check_float("temperature", getattr(args, "temperature", 0) or 0, 0.0, 100.0) != 0:
@@ -143,96 +219,46 @@ def collect(args, cfg) -> Results:
         print(f"[bench served: {note}]")
     rpc = getattr(args, "requests_per_client", None)
     rpc = check_int("requests_per_client", rpc, 1, 10_000) if rpc is not None else None
+    per_cell = getattr(args, "requests_per_cell", None)
+    per_cell = check_int("requests_per_cell", per_cell, 1, 100_000) if per_cell is not None else None
     time_limit = check_float("time_limit", getattr(args, "time_limit", None) or DEFAULT_TIME_LIMIT_S, 1.0, 1e6)
-    specs = row_specs(cfg)
+    modes = parse_choices("modes", getattr(args, "modes", None) or ",".join(MODES), MODES)
+    topologies = parse_choices("topologies", getattr(args, "topologies", None) or ",".join(TOPOLOGIES), TOPOLOGIES)
     wanted = parse_strategies(getattr(args, "strategies", None) or ",".join(ROWS))
+    prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
+    rows = servable(engine, row_specs(cfg), wanted)
+    return Plan(prompts, rows, levels, modes, topologies, max_new, rpc, time_limit, per_cell)
+
+
+def collect(args, cfg) -> Results:
+    """Measure, print the tables, write ``bench_served.{csv,json,png}`` to ``args.out``."""
+    import ray
 
     t0 = time.perf_counter()
     engine = build_engine(cfg)
-    prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
-    rows = servable(engine, specs, wanted)
-    legend = "; ".join(f"{r} = {_describe(r, specs[r], cfg)}" for r in rows)
+    plan = _plan(args, cfg, engine)
+    specs = row_specs(cfg)
+    legend = "; ".join(f"{r} = {_describe(r, specs[r], cfg)}" for r in plan.rows)
     print(f"[bench served: in-process engine built in {time.perf_counter() - t0:.1f}s; rows: {legend}]")
-    if cfg.cluster.topology != "separated":
-        print(f"[bench served: topology {cfg.cluster.topology} in the config; this suite serves `separated`]")
-    scfg = served_config(cfg)
-
     cells: dict[tuple[str, str, int], Cell] = {}
-    started_ray = serve_up = False
-    client = None
+    started_ray = not ray.is_initialized()
+    n_cells = len(plan.levels) * len(plan.rows) * len(plan.modes) * len(plan.topologies) + \
+        (len(plan.rows) if 1 in plan.levels else 0)
     try:
-        started_ray = not ray.is_initialized()
         if started_ray:
             ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
-        t0 = time.perf_counter()
-        serve_up = True                      # from here on, shut Serve down whatever happens
-        start_serve(scfg)
-        address = f"127.0.0.1:{scfg.cluster.grpc_port}"
-        client = SpecServeClient(address, app=scfg.cluster.app_name, timeout=REQUEST_TIMEOUT_S, api_key="")
-        client.wait_ready(READY_TIMEOUT_S)
-        print(f"[bench served: cluster up at {address} in {time.perf_counter() - t0:.1f}s "
-              f"(topology separated, engine.max_batch {cfg.engine.max_batch})]")
-        for name in rows:                    # warm-up, untimed: one short request per row and runtime
-            strategy, opts = specs[name]
-            served_cell(client, prompts, 1, 1, min(WARMUP_TOKENS, max_new), strategy, opts)
-            in_process_cell(engine, prompts, 1, min(WARMUP_TOKENS, max_new), strategy, opts)
-        n_cells = len(levels) * len(rows) + (len(rows) if 1 in levels else 0)
         bar = tqdm(total=n_cells, desc="bench served", unit="cell")
         start, skipped = time.perf_counter(), 0
-        for c in levels:
-            n = c * rpc if rpc else max(2 * c, 8)
-            for name in rows:
-                if time.perf_counter() - start > time_limit:
-                    skipped += 1 + (c == 1)
-                    continue
-                strategy, opts = specs[name]
-                bar.set_postfix_str(f"c={c} {name}")
-                recs, secs = served_cell(client, prompts, n, c, max_new, strategy, opts)
-                cells[("served", name, c)] = Cell(name, c, "served", recs, secs)
-                bar.update()
-                if c == 1:                   # in-process right after, on the same prompts
-                    bar.set_postfix_str(f"c=1 {name} in-process")
-                    recs, secs = in_process_cell(engine, prompts, n, max_new, strategy, opts)
-                    cells[("in-process", name, 1)] = Cell(name, 1, "in-process", recs, secs)
-                    bar.update()
+        for topology in plan.topologies:
+            skipped += _measure_topology(cfg, topology, plan, specs, engine, cells, bar, start)
         bar.close()
         if skipped:
-            print(f"[bench served: --time-limit {time_limit:g}s reached; {skipped} cells not run]")
+            print(f"[bench served: --time-limit {plan.time_limit:g}s reached; {skipped} cells not run]")
     finally:
-        if client is not None:
-            client.close()
-        if serve_up:
-            try:
-                serve.shutdown()
-            except Exception as e:           # noqa: BLE001 - still shut Ray down; say what failed
-                print(f"[bench served: serve.shutdown() failed: {type(e).__name__}: {e}]")
         if started_ray:
             ray.shutdown()
-
-    mismatches = check_outputs(cells)
-    table = make_table(cells, rows, levels, mismatches)
-    title = (f"served: gRPC streaming, separated topology, closed loop, {len(prompts)} held-out prompts x "
-             f"{max_new} tokens, greedy, ignore_eos, config {cfg.source}; ttft/tpot in ms; "
-             f"cluster_vs_in_process at c=1")
-    print_table(table, title)
-    out = Path(args.out)
-    write_results(table, out, "bench_served")
-    plot(cells, rows, levels, out / "bench_served.png")
-    print(f"results written to {out / 'bench_served'}.{{csv,json,png}}")
-    print_table(project(), "projection for configs/production-70b.yaml's layout (cost model, inputs in "
-                           "cluster/bench/projection.py; not measured: no GPU here)")
-    checked = sum(len(cl.ok) for cl in cells.values())
-    print(f"lossless (greedy): {checked - len(mismatches)}/{checked} outputs equal autoregressive's for the "
-          f"same prompt" + ("" if not mismatches else "  <-- MISMATCH"))
-    for runtime, name, c, j, p, pos, want, got in mismatches[:MAX_PRINTED_MISMATCHES]:
-        print(f"  mismatch: {runtime} {name} c={c} request {j} (prompt {p}): first difference at token {pos}: "
-              f"expected {want}, got {got}")
-    if len(mismatches) > MAX_PRINTED_MISMATCHES:
-        print(f"  ... and {len(mismatches) - MAX_PRINTED_MISMATCHES} more")
-    failed = {k: v for cl in cells.values() for k, v in cl.failures().items()}
-    if failed:
-        print(f"WARNING: failed requests by gRPC status: {failed}")
-    return Results(table, cells, mismatches, rows, levels)
+    table, summary, mismatches = report(args, cfg, plan, cells)
+    return Results(table, cells, mismatches, plan.rows, plan.levels, summary)
 
 
 def run(args, cfg) -> int:

@@ -1,6 +1,6 @@
-"""The served suite's cells (:mod:`cluster.bench.served`): ``c`` closed-loop gRPC streaming clients, or the
-same requests one after another on the in-process engine; per request its submit, first-token and end times,
-its tokens or its gRPC status."""
+"""The served suite's cells (:mod:`cluster.bench.served`): ``c`` closed-loop gRPC clients, streaming
+(``GenerateStream``) or unary (``Generate``), or the same requests one after another on the in-process engine;
+per request its submit, first-token and end times (unary: first = end), its tokens or its gRPC status."""
 from __future__ import annotations
 
 import threading
@@ -20,17 +20,23 @@ class Rec(Timed):
 
     prompt: int = 0
     error: str | None = None          # gRPC status name
+    chunks: int = 0                   # messages received (1 for a unary call)
 
 
 @dataclass
 class Cell:
-    """One (row, concurrency) measurement; ``runtime`` is ``served`` or ``in-process``."""
+    """One (row, concurrency) measurement; ``runtime`` is ``<topology>/<mode>`` (mode ``unary`` or
+    ``streamed``) or ``in-process``."""
 
     row: str
     c: int
     runtime: str
     recs: list[Rec]
     seconds: float
+
+    @property
+    def streamed(self) -> bool:
+        return self.runtime.endswith("/streamed")
 
     @property
     def ok(self) -> list[Rec]:
@@ -53,10 +59,10 @@ class Cell:
 
 
 def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, strategy, opts,
-                first_seed: int = 0) -> tuple[list[Rec], float]:
-    """Closed loop: ``c`` threads, each sending its next streaming request as soon as the last one ended,
-    until ``n`` requests were sent (request j: prompt j mod len(prompts)).  Returns the records in request
-    order and the wall seconds from the first submit to the last end."""
+                first_seed: int = 0, stream: bool = True) -> tuple[list[Rec], float]:
+    """Closed loop: ``c`` threads, each sending its next request (streaming, or unary with ``stream=False``)
+    as soon as the last one ended, until ``n`` requests were sent (request j: prompt j mod len(prompts)).
+    Returns the records in request order and the wall seconds from the first submit to the last end."""
     import grpc
 
     recs: list[Rec | None] = [None] * n
@@ -67,9 +73,16 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         rec = recs[j] = Rec(time.perf_counter(), prompt=j % len(prompts))
         streamed: list[int] = []
         try:
+            if not stream:
+                res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
+                                      seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True)
+                rec.first = rec.last = time.perf_counter()
+                rec.token_ids, rec.chunks = list(res.token_ids), 1
+                return
             for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
                                        seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
                 now = time.perf_counter()
+                rec.chunks += 1
                 if chunk.token_ids:
                     if rec.first is None:
                         rec.first = now

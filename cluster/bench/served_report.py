@@ -1,10 +1,14 @@
 """The served suite's report (:mod:`cluster.bench.served`): greedy outputs checked against autoregressive's,
-the table (ratios to autoregressive and to in-process, failures by status) and the plot."""
+the table (ratios to autoregressive, streamed / unary and to in-process, failures by status), the side-by-side
+summary and the plot."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.bench.report import pct, save_concurrency_plot
+from cluster.bench.projection import project
+from cluster.bench.report import pct, print_table, save_concurrency_plot, write_results
+
+MAX_PRINTED_MISMATCHES = 20
 
 
 def check_outputs(cells) -> list[tuple]:
@@ -12,7 +16,7 @@ def check_outputs(cells) -> list[tuple]:
     prompt (served cells first, then in-process).  Returns (runtime, row, c, request, prompt, first
     differing position, expected token, got token) per mismatch."""
     ref: dict[int, list[int]] = {}
-    order = sorted(cells.values(), key=lambda cl: (cl.runtime != "served", cl.row != "autoregressive", cl.c))
+    order = sorted(cells.values(), key=lambda cl: (cl.runtime == "in-process", cl.row != "autoregressive", cl.c))
     for cl in order:
         if cl.row == "autoregressive":
             for r in cl.ok:
@@ -30,59 +34,136 @@ def check_outputs(cells) -> list[tuple]:
     return out
 
 
-def make_table(cells, rows, levels, mismatches) -> list[dict]:
-    bad: dict[tuple[str, int], int] = {}
+def _ratio(a, b) -> float | None:
+    return round(a.tok_s / b.tok_s, 3) if a is not None and b is not None and b.tok_s else None
+
+
+def make_table(cells, rows, levels, mismatches, runtimes) -> list[dict]:
+    """One row per (runtime = topology/mode, concurrency, strategy): tok/s, its ratio to autoregressive in the
+    same runtime, streamed / unary of the same strategy and topology, TTFT / TPOT (streamed only: a unary
+    client sees no first token), and at c = 1 the in-process tok/s and the ratio to it."""
+    bad: dict[tuple[str, str, int], int] = {}
     for runtime, name, c, *_ in mismatches:
-        bad[(name, c)] = bad.get((name, c), 0) + 1
+        bad[(runtime, name, c)] = bad.get((runtime, name, c), 0) + 1
     table = []
-    for c in levels:
-        ar = cells.get(("served", "autoregressive", c))
-        for name in rows:
-            m = cells.get(("served", name, c))
-            if m is None:
-                continue
-            ip = cells.get(("in-process", name, c))
-            ok = m.ok
-            fails = m.failures()
-            table.append({
-                "strategy": name, "concurrency": c, "requests": len(m.recs), "tokens": m.tokens,
-                "seconds": round(m.seconds, 3), "tok_s": round(m.tok_s, 1),
-                "vs_autoregressive": round(m.tok_s / ar.tok_s, 3) if ar and ar.tok_s else None,
-                "ttft_p50": round(1e3 * pct([r.ttft for r in ok], 50), 2),
-                "ttft_p99": round(1e3 * pct([r.ttft for r in ok], 99), 2),
-                "tpot_p50": round(1e3 * pct([r.tpot for r in ok], 50), 2),
-                "tpot_p99": round(1e3 * pct([r.tpot for r in ok], 99), 2),
-                "in_process_tok_s": round(ip.tok_s, 1) if ip else None,
-                "cluster_vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None,
-                "mismatches": bad.get((name, c), 0),
-                "failures": sum(fails.values()),
-                "failed_by_status": " ".join(f"{k}:{v}" for k, v in sorted(fails.items())) or None})
+    for runtime in runtimes:
+        topology, mode = runtime.split("/")
+        for c in levels:
+            ar = cells.get((runtime, "autoregressive", c))
+            for name in rows:
+                m = cells.get((runtime, name, c))
+                if m is None:
+                    continue
+                ip = cells.get(("in-process", name, c))
+                ok, fails = m.ok, m.failures()
+                timed = m.streamed and ok
+                table.append({
+                    "topology": topology, "mode": mode, "strategy": name, "concurrency": c,
+                    "requests": len(m.recs), "tokens": m.tokens, "seconds": round(m.seconds, 3),
+                    "tok_s": round(m.tok_s, 1), "vs_autoregressive": _ratio(m, ar),
+                    "chunks_per_request": round(sum(r.chunks for r in ok) / len(ok), 1) if ok else None,
+                    "streamed_vs_unary": _ratio(m, cells.get((f"{topology}/unary", name, c))) if m.streamed else None,
+                    "ttft_p50": round(1e3 * pct([r.ttft for r in ok], 50), 2) if timed else None,
+                    "ttft_p99": round(1e3 * pct([r.ttft for r in ok], 99), 2) if timed else None,
+                    "tpot_p50": round(1e3 * pct([r.tpot for r in ok], 50), 2) if timed else None,
+                    "tpot_p99": round(1e3 * pct([r.tpot for r in ok], 99), 2) if timed else None,
+                    "in_process_tok_s": round(ip.tok_s, 1) if ip else None,
+                    "cluster_vs_in_process": _ratio(m, ip),
+                    "mismatches": bad.get((runtime, name, c), 0),
+                    "failures": sum(fails.values()),
+                    "failed_by_status": " ".join(f"{k}:{v}" for k, v in sorted(fails.items())) or None})
     return table
 
 
-def plot(cells, rows, levels, path: Path) -> None:
-    """Two panels vs concurrency (log2 x), a line per row: served tok/s (in-process c=1 as an x), and the
-    ratio to autoregressive at the same concurrency with a dashed line at 1.0."""
+def side_by_side(table: list[dict], rows, levels, topologies) -> list[dict]:
+    """The issue's summary, one line per (topology, c): autoregressive tok/s unary and streamed and their
+    ratio, every other strategy's ratio to autoregressive unary / streamed, TTFT p50 (streamed) of
+    autoregressive and of the default."""
+    at = {(r["topology"], r["mode"], r["strategy"], r["concurrency"]): r for r in table}
+    out = []
+    for topology in topologies:
+        for c in levels:
+            u, st = at.get((topology, "unary", "autoregressive", c)), at.get((topology, "streamed", "autoregressive", c))
+            if u is None and st is None:
+                continue
+            line = {"topology": topology, "c": c, "ar_unary_tok_s": u and u["tok_s"],
+                    "ar_streamed_tok_s": st and st["tok_s"], "ar_streamed/unary": st and st["streamed_vs_unary"]}
+            for name in rows:
+                if name == "autoregressive":
+                    continue
+                pair = [at.get((topology, mode, name, c)) for mode in ("unary", "streamed")]
+                line[name] = " / ".join("-" if r is None or r["vs_autoregressive"] is None else
+                                        f"{r['vs_autoregressive']:.2f}" for r in pair)
+            d = at.get((topology, "streamed", "default", c))
+            line["ttft_p50_ar/default"] = f"{st['ttft_p50'] if st else '-'} / {d['ttft_p50'] if d else '-'}"
+            out.append(line)
+    return out
+
+
+def plot(cells, rows, levels, runtimes, path: Path) -> None:
+    """Per topology two panels vs concurrency (log2 x), a line per row, unary solid and streamed dashed: served
+    tok/s (in-process c=1 as an x), and the ratio to autoregressive of the same mode with a dashed line at 1.0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in rows:
-        pts = [(c, cells[("served", name, c)]) for c in levels if ("served", name, c) in cells]
-        if not pts:
-            continue
-        line, = ax1.plot([c for c, _ in pts], [m.tok_s for _, m in pts], "-", marker="o", label=name)
-        ip = cells.get(("in-process", name, 1))
-        if ip is not None:
-            ax1.plot([1], [ip.tok_s], "x", color=line.get_color(), markersize=9)
-        ratio = [(c, m.tok_s / cells[("served", "autoregressive", c)].tok_s) for c, m in pts
-                 if ("served", "autoregressive", c) in cells and cells[("served", "autoregressive", c)].tok_s]
-        ax2.plot([c for c, _ in ratio], [r for _, r in ratio], "-", marker="o", color=line.get_color(), label=name)
-    ax2.axhline(1.0, linestyle="--", color="gray", linewidth=1)
-    ax1.set_title("served throughput (separated topology)")
-    ax2.set_title("ratio to autoregressive, same concurrency")
-    ax1.legend(fontsize=8)
-    save_concurrency_plot(fig, [(ax1, "output tokens/s (x: in-process, c=1)"), (ax2, "tokens/s / autoregressive's")],
-                          levels, "concurrency (closed-loop gRPC clients)", path)
+    topologies = list(dict.fromkeys(r.split("/")[0] for r in runtimes))
+    fig, axes = plt.subplots(len(topologies), 2, figsize=(12, 4.5 * len(topologies)), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(rows)}
+    for (ax1, ax2), topology in zip(axes, topologies):
+        for runtime in [r for r in runtimes if r.startswith(topology + "/")]:
+            style = "--" if runtime.endswith("/streamed") else "-"
+            for name in rows:
+                pts = [(c, cells[(runtime, name, c)]) for c in levels if (runtime, name, c) in cells]
+                if not pts:
+                    continue
+                ax1.plot([c for c, _ in pts], [m.tok_s for _, m in pts], style, marker="o", color=colors[name],
+                         label=f"{name} ({runtime.split('/')[1]})")
+                ar = {c: cells.get((runtime, "autoregressive", c)) for c, _ in pts}
+                ratio = [(c, m.tok_s / ar[c].tok_s) for c, m in pts if ar[c] is not None and ar[c].tok_s]
+                ax2.plot([c for c, _ in ratio], [r for _, r in ratio], style, marker="o", color=colors[name])
+        for name in rows:
+            ip = cells.get(("in-process", name, 1))
+            if ip is not None:
+                ax1.plot([1], [ip.tok_s], "x", color=colors[name], markersize=9)
+        ax2.axhline(1.0, linestyle=":", color="gray", linewidth=1)
+        ax1.set_title(f"served throughput ({topology}; solid unary, dashed streamed)")
+        ax2.set_title(f"ratio to autoregressive, same mode and concurrency ({topology})")
+        ax1.legend(fontsize=7)
+        save_concurrency_plot(fig, [(ax1, "output tokens/s (x: in-process, c=1)"),
+                                    (ax2, "tokens/s / autoregressive's")],
+                              levels, "concurrency (closed-loop gRPC clients)", path)
     plt.close(fig)
+
+
+def report(args, cfg, plan, cells) -> tuple[list[dict], list[dict], list[tuple]]:
+    """Check the outputs, print the whole table and the side-by-side summary, write them and the plot to
+    ``args.out``, print the projection and the losslessness line; returns (table, summary, mismatches)."""
+    runtimes = [f"{t}/{m}" for t in plan.topologies for m in plan.modes]
+    mismatches = check_outputs(cells)
+    table = make_table(cells, plan.rows, plan.levels, mismatches, runtimes)
+    print_table(table, f"served: gRPC unary and streamed, {', '.join(plan.topologies)}, closed loop, "
+                       f"{len(plan.prompts)} held-out prompts x {plan.max_new} tokens, greedy, ignore_eos, config "
+                       f"{cfg.source}; ttft/tpot in ms (streamed); cluster_vs_in_process at c=1")
+    summary = side_by_side(table, plan.rows, plan.levels, plan.topologies)
+    print_table(summary, "side by side: autoregressive tok/s unary and streamed; every other row's tok/s / "
+                         "autoregressive's as unary / streamed; TTFT p50 ms (streamed) autoregressive / default")
+    out = Path(args.out)
+    write_results(table, out, "bench_served")
+    write_results(summary, out, "bench_served_summary")
+    plot(cells, plan.rows, plan.levels, runtimes, out / "bench_served.png")
+    print(f"results written to {out / 'bench_served'}.{{csv,json,png}} and {out / 'bench_served_summary'}.{{csv,json}}")
+    print_table(project(), "projection for configs/production-70b.yaml's layout (cost model, inputs in "
+                           "cluster/bench/projection.py; not measured: no GPU here)")
+    checked = sum(len(cl.ok) for cl in cells.values())
+    print(f"lossless (greedy): {checked - len(mismatches)}/{checked} outputs equal autoregressive's for the "
+          f"same prompt" + ("" if not mismatches else "  <-- MISMATCH"))
+    for runtime, name, c, j, p, pos, want, got in mismatches[:MAX_PRINTED_MISMATCHES]:
+        print(f"  mismatch: {runtime} {name} c={c} request {j} (prompt {p}): first difference at token {pos}: "
+              f"expected {want}, got {got}")
+    if len(mismatches) > MAX_PRINTED_MISMATCHES:
+        print(f"  ... and {len(mismatches) - MAX_PRINTED_MISMATCHES} more")
+    failed = {k: v for cl in cells.values() for k, v in cl.failures().items()}
+    if failed:
+        print(f"WARNING: failed requests by gRPC status: {failed}")
+    return table, summary, mismatches

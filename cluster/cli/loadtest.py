@@ -40,6 +40,12 @@ def add_loadtest_command(sub) -> None:
     p.add_argument("--duration", default="30s", help="per stage with --concurrency / --rate (default 30s)")
     p.add_argument("--max-requests", dest="max_requests", help="per stage with --concurrency / --rate")
     p.add_argument("--protocol", help="grpc (default) or http")
+    p.add_argument("--endpoint", help="completions (default) or chat: each prompt as one user message "
+                                      "(/v1/chat/completions, gRPC messages)")
+    p.add_argument("--model", help="HTTP: the OpenAI model field (another server's model name)")
+    p.add_argument("--openai", action="store_true", default=None,
+                   help="HTTP, plain OpenAI fields only (no strategy / options; token counts from usage): drive any "
+                        "OpenAI-compatible server at --http BASE_URL --model NAME, to compare it with specserve")
     p.add_argument("--no-stream", dest="stream", action="store_false", default=None,
                    help="unary Generate / non-streaming HTTP (no TTFT, TPOT or ITL)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", help="tokens per request (default 32)")
@@ -72,7 +78,7 @@ def add_loadtest_command(sub) -> None:
 
 
 REQUEST_FLAGS = ("protocol", "stream", "max_new_tokens", "temperature", "top_p", "strategy", "ignore_eos", "seed",
-                 "timeout_s")
+                 "timeout_s", "endpoint", "model", "openai")
 
 
 def build_spec(args) -> LoadSpec:
@@ -118,6 +124,8 @@ def cmd_loadtest(args) -> int:
                               "or pass --prompts-file") from None
     if args.greedy_check and not any(s.request.greedy for s in spec.stages):
         raise ParamError("greedy_check", "a greedy stage (--temperature 0)", "no stage with temperature 0")
+    if args.greedy_check and any(s.request.openai for s in spec.stages):
+        raise ParamError("greedy_check", "stages without openai (plain OpenAI answers carry no token ids)", "openai")
     replicas = None
     if args.ray_address:
         try:

@@ -5,6 +5,7 @@ Bad arguments print one line naming the parameter, its allowed range and the val
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -44,8 +45,17 @@ def _add_strategy_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + opt.name.replace("_", "-"), dest="opt_" + opt.name, help=opt.help)
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``), as pip and ``--version`` show it."""
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:      # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding engine and cluster")
+    parser.add_argument("--version", action="version", version=f"specserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion in-process")
@@ -79,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency",
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
-    b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, mag, "
-                   "cs_drafting (default all the config serves)")
+    b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
+                   "load_aware, mag, mag_load_aware, cs_drafting, cs_load_aware (default all the config serves)")
+    b.add_argument("--requests-per-cell", dest="requests_per_cell",
+                   help="served suite: requests per cell, at least c (instead of --requests-per-client)")
+    b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")
+    b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated (default both)")
     b.add_argument("--requests-per-client", dest="requests_per_client",
                    help="served suite: requests per client per cell (default: max(2c, 8) requests per cell)")
     b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "

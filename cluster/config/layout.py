@@ -141,6 +141,24 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class StreamSpec:
+    """How a streamed response is paced (gRPC ``GenerateStream`` and HTTP server-sent events alike), as vLLM's
+    ``--stream-interval``: the first chunk with tokens goes out at once; after it a chunk goes out when it holds
+    ``interval_tokens`` tokens or ``interval_ms`` (null: no time bound) have passed since the last one, or the
+    request ends.  Chunks a slow reader has not taken yet are always merged (cluster/serving/chunks.py)."""
+
+    interval_tokens: int = 16
+    interval_ms: float | None = 250.0
+
+    def validate(self, path: str) -> None:
+        if not 1 <= self.interval_tokens <= 4096:
+            raise ConfigError(f"{path}.interval_tokens: must be in [1, 4096], got {self.interval_tokens}")
+        if self.interval_ms is not None and not 0 < self.interval_ms <= 60_000:
+            raise ConfigError(f"{path}.interval_ms: must be in (0, 60000] (or null: no time bound), "
+                              f"got {self.interval_ms}")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     topology: str = "separated"
     target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
@@ -172,6 +190,7 @@ class ClusterSpec:
     operator_key_env: str = "SPECSERVE_OPERATOR_KEY"
     warmup_tokens: int = 4            # tokens generated per strategy before health says SERVING
     call_timeout_s: float = 30.0      # a model call that takes longer marks the model down (UNAVAILABLE)
+    stream: StreamSpec = field(default_factory=StreamSpec)    # pacing of streamed responses
 
     def validate(self, path: str) -> None:
         if self.target_placement not in TARGET_PLACEMENTS:
@@ -215,7 +234,7 @@ class ClusterSpec:
                               f"{self.grpc_tls_cert!r}, key={self.grpc_tls_key!r}")
         if self.api_key_file is not None and not self.api_key_file:
             raise ConfigError(f"{path}.api_key_file: a path or null, got ''")
-        for name in ("target", "drafters", "coordinator"):
+        for name in ("target", "drafters", "coordinator", "stream"):
             getattr(self, name).validate(f"{path}.{name}")
         if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:
             raise ConfigError(f"{path}.backend: nccl needs target.num_gpus >= 1 per rank, "

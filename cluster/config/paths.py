@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster.config.schema import Config
 from cluster.errors import ConfigError
 
-ZOO_VERSION = 2
+ZOO_VERSION = 3
 BIGRAM_FILE = "bigram.npy"
 HEAD_DIR = "specdec-head"
 

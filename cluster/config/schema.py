@@ -71,7 +71,12 @@ class EngineSpec:
     options: dict[str, Any] = field(default_factory=dict)   # default strategy options
     max_batch: int = 32                     # requests decoded together in one engine step (per serving unit)
     max_queue: int = 64                     # requests waiting for a place; beyond: RESOURCE_EXHAUSTED / 429
-    kv_budget_tokens: int | None = None     # KV positions the running requests may reserve (None: unlimited)
+    # KV positions the running requests may reserve; None: derived from the models' KV bytes per token and their
+    # devices' memory (cluster/engine/kv_budget.py): kv_memory_fraction of it for weights and KV, the memory
+    # detected unless device_memory_gib says it
+    kv_budget_tokens: int | None = None
+    kv_memory_fraction: float = 0.9
+    device_memory_gib: float | None = None
     request_timeout_s: float | None = 600.0  # server-side deadline: a request still running then is stopped
     # drafting the next block while the target verifies this one (PEARL's post-verify; docs/cluster.md):
     # auto = where the draft side has a process of its own (the separated topology), on = also in-process
@@ -97,8 +102,13 @@ class EngineSpec:
             raise ConfigError(f"{path}.request_timeout_s: must be > 0 (or null: no deadline), "
                               f"got {self.request_timeout_s}")
         if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
-            raise ConfigError(f"{path}.kv_budget_tokens: must be >= 1 (or null: unlimited), "
+            raise ConfigError(f"{path}.kv_budget_tokens: must be >= 1 (or null: derived from device memory), "
                               f"got {self.kv_budget_tokens}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"{path}.kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.device_memory_gib is not None and not 0 < self.device_memory_gib <= 1 << 20:
+            raise ConfigError(f"{path}.device_memory_gib: must be in (0, 1048576] (or null: detected), "
+                              f"got {self.device_memory_gib}")
         if self.overlap not in OVERLAP:
             raise ConfigError(f"{path}.overlap: one of {', '.join(OVERLAP)}, got {self.overlap!r}")
         if self.strategy not in REGISTRY:
@@ -161,6 +171,22 @@ class MagSpec:
             raise ConfigError(f"{path}.occurrence: must be recent or first, got {self.occurrence!r}")
 
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")    # cluster/models/tool_calls.py: FORMATS
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """Chat completions.  ``tool_parser``: the format the served checkpoint writes tool calls in (vLLM's
+    ``--tool-call-parser`` names): ``hermes`` (Hermes, Qwen 2.5 / 3; the embedded family's template),
+    ``llama3_json`` (Llama 3.x), ``mistral``."""
+
+    tool_parser: str = "hermes"
+
+    def validate(self, path: str) -> None:
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"{path}.tool_parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+
+
 @dataclass(frozen=True)
 class Config:
     models: dict[str, ModelSpec]
@@ -170,6 +196,7 @@ class Config:
     zoo_cache_dir: str | None = None
     mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
     cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/config/layout.py)
+    chat: ChatSpec = field(default_factory=ChatSpec)            # tool-call format of /v1/chat/completions
     source: str = "<dict>"
 
     def validate(self) -> None:
@@ -187,6 +214,7 @@ class Config:
         self.engine.validate("engine")
         self.generation.validate("generation")
         self.cluster.validate("cluster")
+        self.chat.validate("chat")
         drafter = self.engine.options.get("drafter")
         if drafter is not None and (drafter not in self.models or drafter == self.target):
             raise ConfigError(f"engine.options.drafter: {drafter!r} is not a drafter in models")

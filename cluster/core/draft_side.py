@@ -216,7 +216,7 @@ class DraftSide(BatchedHandle):
             if run.key not in failed:
                 st = self._reqs[run.rid]
                 dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
-                              self._holder(st))
+                              self._holder(st), committed=st.seq)
                 gens[run.key], rids[run.key] = run_program(run.spec, dc, run.work, run.limit), run.rid
         done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone)}
         return [done[run.key] for run in runs]

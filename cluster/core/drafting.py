@@ -19,6 +19,7 @@ import torch
 
 from cluster.core.calls import Propose, ProposeAdaptive, Score
 from cluster.core.cascade_targets import lossy_target
+from cluster.core.constraint import constrain_rows, valid_prefix
 from cluster.core.sampling import UNSCALED, Rng, SamplingParams, logits_to_probs
 from cluster.core.verify import gen_spec_verify
 
@@ -118,6 +119,16 @@ class DraftCtx:
     sync: Callable[[str, list[int]], None]    # (drafter, work): it now holds committed + work
     held: Callable[[str, list[int]], None]    # (drafter, work): it holds committed + work after a call
     forwards: dict[str, int] = field(default_factory=dict)
+    committed: list[int] = field(default_factory=list)   # the request's committed tokens (prompt included)
+
+    def grammar_cut(self, work: list[int], toks: list[int]) -> list[int]:
+        """A deterministic (Max-Gram) draft cut at its first token the request's grammar forbids: exact, as
+        the draft is a function of the prefix (:mod:`cluster.core.constraint`)."""
+        return toks[:valid_prefix(self.sampling.constraint, self.committed + work, toks)]
+
+    def masked(self, work: list[int], draft: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """A drafter's scoring rows ``[L+1, V]`` over ``draft`` masked by the request's grammar."""
+        return constrain_rows(self.sampling.constraint, self.committed + work, draft, logits)
 
     def count(self, name: str, n: int) -> None:
         self.forwards[name] = self.forwards.get(name, 0) + n
@@ -141,6 +152,9 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):
     dc.held(name, work + toks)
     dc.count(name, len(toks))
     onehot = dc.deterministic(name)
+    if onehot:
+        toks = dc.grammar_cut(work, toks)                                 # neural drafters sampled masked
+        logits = logits[:len(toks)]
     q = None if onehot or dc.sampling.greedy or not toks else logits_to_probs(logits, dc.sampling)
     return pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
 
@@ -192,6 +206,8 @@ class CSDraftProgram:
         dc.held(name, work + toks)
         is_mag = dc.deterministic(name)
         dc.count(name, 1 if is_mag else len(toks))
+        if is_mag:
+            toks = dc.grammar_cut(work, toks)
         q = self.dist(logits)
         return toks, [q[i] for i in range(len(toks))], [is_mag] * len(toks)
 
@@ -201,7 +217,7 @@ class CSDraftProgram:
         dc, name = self.dc, self.names[m - 1]
         d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
         dc.sync(name, work)
-        logits = yield Score(name, tuple(d))                                # [L+1, V]
+        logits = dc.masked(work, d, (yield Score(name, tuple(d))))          # [L+1, V]
         dc.held(name, work + d)
         dc.count(name, 1)
         L = len(d)

@@ -63,6 +63,7 @@ class BatchedHandle(ABC):
     proposes: bool = False           # implements propose_batch (a drafter)
     adaptive: bool = False           # implements propose_adaptive_batch (SpecDec++ drafting)
     specdec_head: str | None = None  # the path of the SpecDec++ acceptance head it drafts with, if built
+    memory: dict | None = None       # KV bytes per token, weights, device memory (the engine's KV budget)
 
     # -- required ---------------------------------------------------------------------------------
     @abstractmethod
@@ -114,7 +115,8 @@ class BatchedHandle(ABC):
         """What the handle declares, as plain values (an actor sends it to the remote handle over it)."""
         return dict(name=self.name, vocab_size=self.vocab_size, max_length=self.max_length,
                     num_params=int(self.num_params), deterministic=bool(self.deterministic),
-                    proposes=bool(self.proposes), adaptive=bool(self.adaptive), specdec_head=self.specdec_head)
+                    proposes=bool(self.proposes), adaptive=bool(self.adaptive), specdec_head=self.specdec_head,
+                    memory=self.memory)
 
 
 class PerRequestHandle(BatchedHandle):

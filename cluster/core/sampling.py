@@ -8,7 +8,8 @@ the exact-enumeration tests substitute one that explores every branch with its p
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,12 +22,15 @@ MAX_TEMPERATURE = 100.0
 class SamplingParams:
     """Per-request sampling settings. ``temperature == 0`` means greedy (argmax) decoding.
 
-    ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``top_k == 0`` and ``top_p == 1`` disable those filters.  ``constraint``: the request's grammar state
+    (:class:`cluster.core.constraint.Constraint`, None: unconstrained); it travels with the sampling settings
+    to every model of the request, so each drafter samples from its own masked logits.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "temperature",

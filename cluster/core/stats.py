@@ -21,6 +21,8 @@ class RequestStats:
     ttft_s: float = 0.0
     deferral_checks: int = 0                             # cascades: positions a deferral rule decided
     deferrals: float = 0.0                               # ... and deferred to the target (expected, token rules)
+    prediction_drafted: int = 0                          # predicted outputs: draft tokens taken from the prediction
+    prediction_accepted: int = 0                         # ... and kept by verification (OpenAI's accepted ones)
 
     # -- recording -------------------------------------------------------------------------------
     def forward(self, model: str, n: int = 1, *, target: bool = False) -> None:
@@ -41,6 +43,11 @@ class RequestStats:
         for i in range(accepted):
             _bump(self.accepted_per_pos, i)
 
+    def prediction(self, drafted: int, accepted: int) -> None:
+        """Record a prediction-backed draft (also counted by :meth:`verification`): ``accepted`` of ``drafted``."""
+        self.prediction_drafted += drafted
+        self.prediction_accepted += accepted
+
     def deferral(self, checks: int, deferred: float) -> None:
         """Record a cascade rule's decision over ``checks`` positions, ``deferred`` of them (in expectation
         for token-level rules) deferred to the target."""
@@ -50,7 +57,8 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         """Add ``other``'s counts into this one (for aggregate benchmark rows)."""
         for name in ("prompt_tokens", "generated_tokens", "steps", "target_forwards", "drafted_tokens",
-                     "accepted_tokens", "wall_s", "ttft_s", "deferral_checks", "deferrals"):
+                     "accepted_tokens", "wall_s", "ttft_s", "deferral_checks", "deferrals", "prediction_drafted",
+                     "prediction_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.drafter_forwards.items():
             self.drafter_forwards[k] = self.drafter_forwards.get(k, 0) + v

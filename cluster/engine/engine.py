@@ -18,10 +18,12 @@ from typing import Any, Callable
 from cluster.core.calls import PrefillItem, prefill_scored
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.model_set import ModelSet
+from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
+from cluster.engine.kv_budget import derive_kv_budget
 from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
 from cluster.engine.rounds import run_rounds
 from cluster.engine.scheduler import Limits, Scheduler
@@ -67,10 +69,14 @@ class Engine(CallerDriven):
 
     @classmethod
     def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec, planner=None) -> "Engine":
-        """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this)."""
+        """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this).  Without
+        ``kv_budget_tokens`` the budget is derived from the models' memory reports (:mod:`cluster.engine.kv_budget`)."""
+        budget = spec.kv_budget_tokens or derive_kv_budget(
+            dict(models.handles), fraction=getattr(spec, "kv_memory_fraction", 0.9),
+            memory_gib=getattr(spec, "device_memory_gib", None))
         return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
-                   limits=Limits(spec.max_batch, spec.max_queue, spec.kv_budget_tokens),
+                   limits=Limits(spec.max_batch, spec.max_queue, budget),
                    request_timeout_s=spec.request_timeout_s)
 
     # -- admission ----------------------------------------------------------------------------------
@@ -94,7 +100,8 @@ class Engine(CallerDriven):
         stats = RequestStats(strategy=req.strategy_name, prompt_tokens=len(req.prompt_ids))
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
-                          list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs)
+                          list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs,
+                          prediction=Prediction(req.prediction_ids, len(req.prompt_ids)) if req.prediction_ids else None)
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s
@@ -223,10 +230,8 @@ class Engine(CallerDriven):
 
     def _observe(self, now: float) -> None:
         """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
-        (what the step loop really spends per step: emitting, flushing, the caller's loop and whatever contends
-        with them -- in the served runtime the replica's per-chunk streaming, paid once per token by plain
-        decoding and once per block by speculation), or to its own end when nothing was left running (the loop
-        then waits for work, which is no step's cost)."""
+        (all the loop spends per step: emitting, flushing, served per-chunk streaming -- once per token when
+        decoding plainly, once per block when speculating), or to its end when nothing was left running."""
         if self._planned_at is not None:
             self.planner.observe(now - self._planned_at)
             self._planned_at = None

@@ -49,6 +49,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None          # None: none; n in [0, MAX_TOP_LOGPROBS]: each emitted token's logprob + top-n
     prompt_logprobs: int | None = None   # None: none; n: each prompt token's logprob + top-n (the first has none)
+    prediction: str | list[int] | None = None   # predicted output, text or ids (OpenAI's prediction.content)
+    grammar: Any = None                  # a cluster.core.constraint.Grammar: the output is constrained to it
 
 
 @dataclass
@@ -102,6 +104,7 @@ class PreparedRequest:
     strategy: Strategy                 # bound to the engine's models, options resolved
     logprobs: int | None = None        # top-n per emitted token (None: no logprobs)
     prompt_logprobs: int | None = None  # top-n per prompt token (None: no prompt logprobs)
+    prediction_ids: tuple[int, ...] | None = None   # the tokenized predicted output (None: none)
 
     @property
     def strategy_name(self) -> str:

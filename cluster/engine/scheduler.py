@@ -34,8 +34,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         budget = self.limits.kv_budget_tokens
         if budget is not None and seq.reserved_tokens > budget:
-            raise OverloadedError(f"request needs {seq.reserved_tokens} KV positions, more than the "
-                                  f"whole budget of {budget}")
+            raise OverloadedError(f"request needs {seq.reserved_tokens} KV positions (prompt + max_new_tokens + 1), "
+                                  f"more than the whole KV budget engine.kv_budget_tokens = {budget}")
         if self._would_wait([*self.waiting, seq]) > self.limits.max_queue:
             raise OverloadedError(f"server busy: {len(self.running)} running and {len(self.waiting)} waiting "
                                   f"(max_batch {self.limits.max_batch}, max_queue {self.limits.max_queue})")

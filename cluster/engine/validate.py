@@ -6,6 +6,7 @@ naming the field, the allowed range and the (truncated) value.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from typing import Any
@@ -69,8 +70,15 @@ def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer:
         raise _too_long(len(ids), max_len, max_new)
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") & MAX_SEED
     seed = check_int("seed", seed, 0, MAX_SEED)
-    return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, req.sampling, seed,
-                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs)
+    prediction = check_prediction(req.prediction, tokenizer, target_len, vocab_size)
+    sampling = req.sampling
+    if req.grammar is not None:
+        if not strategy.constrained:
+            raise ParamError(req.grammar.field, "strategies that sample a grammar's law exactly with it: " +
+                             ", ".join(sorted(n for n, c in REGISTRY.items() if c.constrained)), f"strategy {name}")
+        sampling = dataclasses.replace(sampling, constraint=req.grammar.start(len(ids)))
+    return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, sampling, seed,
+                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction)
 
 
 def _too_long(n: int, max_len: int, max_new: int) -> ParamError:
@@ -121,6 +129,28 @@ def check_prompt_text(prompt: Any, target_len: int) -> str:
         raise ParamError("prompt", f"text of at most {cap} characters (model length {target_len} tokens)",
                          f"{len(prompt)} characters")
     return check_text("prompt", prompt, cap)
+
+
+def check_prediction(pred: Any, tokenizer: Tokenizer, target_len: int, vocab_size: int) -> tuple[int, ...] | None:
+    """A predicted output's token ids (None: none given): non-empty text or token ids, at most as long as a
+    prompt may be."""
+    if pred is None:
+        return None
+    if isinstance(pred, (list, tuple)):
+        if not 0 < len(pred) <= min(MAX_PROMPT_IDS, target_len):
+            raise ParamError("prediction", f"1 to {min(MAX_PROMPT_IDS, target_len)} token ids", f"{len(pred)} ids")
+        for i in pred:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+                raise ParamError("prediction", f"token ids in [0, {vocab_size - 1}]", i)
+        return tuple(pred)
+    cap = min(MAX_PROMPT_CHARS, target_len * MAX_CHARS_PER_TOKEN)
+    if isinstance(pred, str) and len(pred) > cap:
+        raise ParamError("prediction", f"text of at most {cap} characters (model length {target_len} tokens)",
+                         f"{len(pred)} characters")
+    ids = tokenizer.encode(check_text("prediction", pred, cap))
+    if not ids:
+        raise ParamError("prediction", "text that encodes to at least one token", pred)
+    return tuple(ids)
 
 
 def check_options(strategy: str, options: Any) -> None:

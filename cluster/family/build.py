@@ -14,23 +14,31 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
    optimizer state stay float32; ~1.7x faster steps here), and untied input
    and output embeddings trained at 25x the blocks' learning rate (each
    embedding row sees few updates; held-out loss 4.22 vs 5.01 tied at 500
-   steps in the experiments behind the v2 preset);
+   steps in the experiments behind the v2 preset).  Its last ``instruct_steps``
+   batches also hold ``instruct_rows`` rows of instruction pairs
+   (:mod:`cluster.family.instruct`: a train-split function's docstring or
+   leading comment as a served chat request, the function as the answer, loss
+   on the answer), so the target answers a chat request with code (v3);
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
    (KL to the target's soft labels mixed with a little CE, one shared target
-   forward per batch).  ``drafter-large`` shares the target's width and starts
+   forward per batch; every batch holds the same share of instruction rows).
+   ``drafter-large`` shares the target's width and starts
    from a copy of the target's embeddings, first/last blocks, final norm and
    head ("layer-dropped" initialisation);
 4. evaluate every model on the held-out files: loss (nats/token), next-token
    accuracy, and *greedy agreement* with the target (fraction of held-out
-   positions where ``argmax drafter == argmax target``, teacher-forced), and
+   positions where ``argmax drafter == argmax target``, teacher-forced); the
+   target's greedy chat answers to held-out requests (how many parse) and each
+   drafter's greedy speculation on them and on completions
+   (:mod:`cluster.family.chateval`); and
    measure single-token forward latency with a KV cache (batch 1 at the build's
    thread counts; batch 1 and 16 at one thread, the served setting, as each
    model's *cost* relative to the target);
 5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
    write ``manifest.json``.
 
-Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v2`` or
-``~/.cache/specserve/zoo-v2``)::
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v3`` or
+``~/.cache/specserve/zoo-v3``)::
 
     cache_dir/
       manifest.json           # written last; its presence marks a complete build
@@ -56,8 +64,10 @@ from pathlib import Path
 import torch
 
 import cluster.family.corpus as corpus
+import cluster.family.instruct as instruct
 from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.cache import _build_lock, load_manifest
+from cluster.family.chateval import evaluate_generation
 from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
 from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
 from cluster.family.presets import EOT, PRESETS, ZooConfig
@@ -151,9 +161,12 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
     if len(train_stream) <= cfg.seq_len + 1 or len(held_stream) <= cfg.seq_len + 1:
         raise RuntimeError("corpus too small for the configured sequence length")
 
+    pairs = instruct.train_pairs(train_files, max_chars=cfg.max_train_chars) if cfg.instruct_rows else []
+    chat = instruct.chat_stream(tokenizer, pairs, eot_id) if pairs else None
+
     # ---- models
     target = _make_model(cfg.target, cfg, eot_id, seed)
-    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads)}
+    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat)}
     drafters = {}
     init_info = {}
     for k, spec in enumerate(cfg.drafters):
@@ -163,7 +176,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
                 raise ValueError(f"{spec.name}: init_from_target needs hidden == target hidden")
             init_info[spec.name] = {"copied_target_layers": _init_from_target(d, target)}
         drafters[spec.name] = d
-    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads))
+    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads, chat))
     models = {"target": target, **drafters}
     specs = {"target": cfg.target, **{s.name: s for s in cfg.drafters}}
 
@@ -176,6 +189,9 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
     t0 = time.perf_counter()
     metrics = evaluate(models, held_stream, cfg, progress, max_threads=threads)
     eval_secs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    generation = evaluate_generation(models, tokenizer, files, cfg, eot_id, seed)
+    gen_secs = time.perf_counter() - t0
     t0 = time.perf_counter()
     # batch 1 at each thread count, then the serving setting (one thread) at each cost batch
     settings = [(n, 1) for n in sorted({threads, 1}, reverse=True)] + [(1, b) for b in cfg.cost_batches if b != 1]
@@ -238,6 +254,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
             "tokenizer": round(tok_secs, 1),
             **{f"train:{n}": i["train_seconds"] for n, i in train_info.items()},
             "evaluate": round(eval_secs, 1),
+            "chat_evaluate": round(gen_secs, 1),
             "latency": round(lat_secs, 1),
         },
         "threads": threads,
@@ -261,6 +278,9 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
             "heldout_tokens": int(len(held_stream)),
             "eval_tokens": metrics["target"]["eval_tokens"],
         },
+        "instruct": {"source": "docstrings / leading comments of train-split functions -> the function",
+                     "pairs": len(pairs), "tokens": int(len(chat[0])) if chat is not None else 0},
+        **generation,
         "seq_len": cfg.seq_len,
         "param_ratio_target_to_smallest_drafter": round(ratio, 2),
         "agreement": {n: round(metrics[n]["agreement"], 4) for n in drafters},

@@ -121,4 +121,14 @@ def format_summary(manifest: dict) -> str:
             + "".join(f"{costs[b]:>9.3f}" if b in costs else f"{'-':>9}" for b in batches)
         )
     lines.append("cost@B: ms per call over the target's at batch B, one torch thread (as served)")
+    chat, spec = manifest.get("chat"), manifest.get("speculative")
+    if chat:
+        lines.append(f"chat: {chat['parsed']}/{chat['requests']} greedy answers to held-out requests parse "
+                     f"(ast.parse), {chat['stopped']} stopped before {chat['max_new_tokens']} tokens")
+    if spec:
+        lines.append(f"greedy speculation, k = {spec['k']}: target calls per token (acceptance)")
+        for name in spec["chat"]:
+            lines.append(f"  {name:<14}" + "".join(
+                f"{kind} {spec[kind][name]['target_calls_per_token']:.3f} ({spec[kind][name]['acceptance']:.3f})  "
+                for kind in ("completion", "chat")).rstrip())
     return "\n".join(lines)

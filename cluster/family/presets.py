@@ -58,6 +58,13 @@ class ZooConfig:
     #: learning-rate factor for the target's embeddings and LM head when the two are untied
     embedding_lr_scale: float = 1.0
     grad_clip: float = 1.0
+    #: instruction phase (:mod:`cluster.family.instruct`): rows of chat-rendered pairs added to each batch of
+    #: the target's last ``instruct_steps`` steps and of every distillation step (0: no instruction phase)
+    instruct_rows: int = 0
+    instruct_steps: int = 0
+    #: held-out requests answered greedily by the target in the build's chat evaluation, and their token cap
+    chat_eval_requests: int = 16
+    chat_eval_tokens: int = 160
     # data
     max_train_chars: int | None = None  # None: the whole train split
     eval_max_tokens: int = 65536
@@ -76,6 +83,9 @@ class ZooConfig:
     def __post_init__(self):
         if self.train_autocast not in ("float32", "bfloat16"):
             raise ValueError(f"train_autocast must be 'float32' or 'bfloat16', got {self.train_autocast!r}")
+        if not 0 <= self.instruct_steps <= self.target_steps or self.instruct_rows < 0:
+            raise ValueError(f"instruct_steps must be in [0, target_steps={self.target_steps}] and instruct_rows "
+                             f">= 0, got {self.instruct_steps} and {self.instruct_rows}")
 
     def fingerprint(self, seed: int) -> str:
         blob = json.dumps({"config": dataclasses.asdict(self), "seed": seed, "v": ZOO_VERSION}, sort_keys=True)
@@ -108,6 +118,8 @@ PRESETS: dict[str, ZooConfig] = {
         distill_steps=1000,
         distill_batch=4,
         distill_lr=2e-3,
+        instruct_rows=2,
+        instruct_steps=600,
     ),
     # seconds; for tests and smoke runs only (models are essentially untrained).
     "tiny": ZooConfig(
@@ -136,5 +148,9 @@ PRESETS: dict[str, ZooConfig] = {
         max_position_embeddings=128,
         train_autocast="bfloat16",   # the full preset's training paths, at toy scale
         embedding_lr_scale=10.0,
+        instruct_rows=1,
+        instruct_steps=2,
+        chat_eval_requests=2,
+        chat_eval_tokens=8,
     ),
 }

@@ -1,5 +1,12 @@
 """One request over gRPC or HTTP, timed chunk by chunk: the calls the load generator makes.
 
+A request is a completion of the prompt (``endpoint: completions``) or a chat of one user message with it
+(``endpoint: chat``: ``/v1/chat/completions``, gRPC ``messages``).  With ``openai: true`` an HTTP request carries
+plain OpenAI fields only (``model``, ``max_tokens``, sampling, ``seed``, ``stream_options.include_usage``; vLLM's
+``ignore_eos`` only when asked), so the same load can be sent to any OpenAI-compatible server (vLLM, SGLang, ...)
+and to specserve for an A/B comparison; token counts then come from ``usage.completion_tokens`` (no token ids:
+no greedy check).
+
 Plain blocking code: the locust worker runs it under gevent (``grpc.experimental.gevent.init_gevent()``
 first, sockets monkey-patched), the parent process runs it as is for the preflight and the greedy
 references.  A call never raises for a server's answer: it returns an :class:`Outcome` whose ``status``
@@ -68,7 +75,9 @@ class Caller:
             adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max(pool, 1))
             self.session.mount("http://", adapter)
             self.session.mount("https://", adapter)
-            self.url = target.http.rstrip("/") + "/v1/completions"
+            base = target.http.rstrip("/")            # OpenAI base URLs end with /v1; specserve's is the server's
+            base = base if base.endswith("/v1") else base + "/v1"
+            self.url = base + ("/chat/completions" if req.endpoint == "chat" else "/completions")
             key = api_key()
             self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -95,6 +104,8 @@ class Caller:
         return out
 
     def _grpc(self, prompt: str, kw: dict, out: Outcome, t0: float) -> None:
+        if self.req.endpoint == "chat":
+            prompt, kw = None, {**kw, "messages": [{"role": "user", "content": prompt}]}
         if not self.req.stream:
             res = self.client.generate(prompt, **kw)
             out.token_ids = list(res.token_ids)
@@ -112,15 +123,31 @@ class Caller:
         out.token_ids = list(result.token_ids)
         out.out_tokens = len(out.token_ids)
 
-    def _http(self, prompt: str, kw: dict, out: Outcome, t0: float) -> None:
-        body = {"prompt": prompt, "max_tokens": kw["max_new_tokens"], "stream": self.req.stream,
-                "ignore_eos": kw["ignore_eos"]}
-        for name, key in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                          ("strategy", "strategy")):
+    def _body(self, prompt: str, kw: dict) -> dict:
+        """The JSON body: OpenAI's fields, then ours unless ``openai`` (a request of plain OpenAI fields)."""
+        r = self.req
+        body = {"messages": [{"role": "user", "content": prompt}]} if r.endpoint == "chat" else {"prompt": prompt}
+        body.update(max_tokens=kw["max_new_tokens"], stream=r.stream)
+        if r.model is not None:
+            body["model"] = r.model
+        for name in ("temperature", "top_p", "seed"):
             if kw[name] is not None:
-                body[key] = kw[name]
+                body[name] = kw[name]
+        if r.openai:
+            if r.stream:
+                body["stream_options"] = {"include_usage": True}     # the token count of a stream
+            if kw["ignore_eos"]:
+                body["ignore_eos"] = True                            # vLLM's and ours; only when asked
+            return body
+        body["ignore_eos"] = kw["ignore_eos"]
+        if kw["strategy"] is not None:
+            body["strategy"] = kw["strategy"]
         if kw["options"]:
             body["options"] = kw["options"]
+        return body
+
+    def _http(self, prompt: str, kw: dict, out: Outcome, t0: float) -> None:
+        body = self._body(prompt, kw)
         timeout = self.req.timeout_s
         with self.session.post(self.url, json=body, headers=self.headers, stream=self.req.stream,
                                timeout=(min(timeout, 10.0), timeout)) as resp:
@@ -129,9 +156,7 @@ class Caller:
                 out.error = _error_message(resp.text)
                 return
             if not self.req.stream:
-                ext = resp.json().get("specserve") or {}
-                out.token_ids = list(ext.get("token_ids") or [])
-                out.out_tokens = len(out.token_ids)
+                _read_counts(resp.json(), out)
                 return
             done = False
             for line in resp.iter_lines():
@@ -142,19 +167,29 @@ class Caller:
                     done = True
                     break
                 payload = json.loads(data)
-                if payload["choices"][0].get("text"):
+                choice = (payload.get("choices") or [{}])[0]
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     out.chunks.append(round(time.monotonic() - t0, 6))
-                if "specserve" in payload:
-                    out.token_ids = list(payload["specserve"].get("token_ids") or [])
-                    out.out_tokens = len(out.token_ids)
-            if not done or out.token_ids is None:
+                _read_counts(payload, out)
+            if not done or (out.token_ids is None and not self.req.openai):
                 out.status, out.error = "INCOMPLETE_STREAM", "the event stream ended without its result / [DONE]"
+            elif self.req.openai and not out.out_tokens:              # no usage sent: count the content chunks
+                out.out_tokens = len(out.chunks)
 
     def close(self) -> None:
         if self.req.protocol == "grpc":
             self.client.close()
         else:
             self.session.close()
+
+
+def _read_counts(payload: dict, out: Outcome) -> None:
+    """Token ids from our ``specserve`` field, else the count from OpenAI's ``usage`` (any server)."""
+    if "specserve" in payload:
+        out.token_ids = list(payload["specserve"].get("token_ids") or [])
+        out.out_tokens = len(out.token_ids)
+    elif isinstance(payload.get("usage"), dict) and isinstance(payload["usage"].get("completion_tokens"), int):
+        out.out_tokens = payload["usage"]["completion_tokens"]
 
 
 def _error_message(text: str) -> str:

@@ -34,6 +34,7 @@ import yaml
 from cluster.errors import ParamError, check_float, check_int
 
 PROTOCOLS = ("grpc", "http")
+ENDPOINTS = ("completions", "chat")      # the prompt as a completion prompt, or as one user message
 MAX_DURATION_S = 86400.0
 MAX_RATE = 10000.0
 MAX_CONCURRENCY = 4096
@@ -71,6 +72,9 @@ class RequestSpec:
     ignore_eos: bool = False
     seed: int | None = None            # per request: seed + its sequence number (None: random)
     timeout_s: float = 120.0
+    endpoint: str = "completions"      # completions, or chat (/v1/chat/completions; gRPC: `messages`)
+    model: str | None = None           # HTTP: the OpenAI `model` field (None: not sent; specserve serves one)
+    openai: bool = False               # HTTP: plain OpenAI fields only (no strategy, options: any OpenAI server)
 
     @property
     def greedy(self) -> bool:
@@ -147,8 +151,16 @@ def request_spec(data: Any, path: str = "request", base: RequestSpec | None = No
             if v not in PROTOCOLS:
                 raise ParamError(p(k), "one of " + ", ".join(PROTOCOLS), v)
             out[k] = v
-        elif k in ("stream", "ignore_eos"):
+        elif k in ("stream", "ignore_eos", "openai"):
             out[k] = _bool(p(k), v)
+        elif k == "endpoint":
+            if v not in ENDPOINTS:
+                raise ParamError(p(k), "one of " + ", ".join(ENDPOINTS), v)
+            out[k] = v
+        elif k == "model":
+            if v is not None and not (isinstance(v, str) and 0 < len(v) <= 256 and v.isprintable()):
+                raise ParamError(p(k), "a model name (1 to 256 printable characters)", v)
+            out[k] = v
         elif k == "max_new_tokens":
             out[k] = check_int(p(k), v, 1, 65536)
         elif k == "temperature":
@@ -167,7 +179,14 @@ def request_spec(data: Any, path: str = "request", base: RequestSpec | None = No
             out[k] = None if v is None else check_int(p(k), v, 0, 2**62)
         elif k == "timeout_s":
             out[k] = check_float(p(k), v, 0.0, 3600.0, low_open=True)
-    return dataclasses.replace(base or RequestSpec(), **out)
+    spec = dataclasses.replace(base or RequestSpec(), **out)
+    if spec.openai:                    # a server that is not specserve: neither our protocol nor our fields
+        for name, bad in (("protocol", spec.protocol != "http"), ("strategy", spec.strategy is not None),
+                          ("options", bool(spec.options))):
+            if bad:
+                raise ParamError(p(name), "http and no strategy or options with openai: true (plain OpenAI "
+                                 "fields, for any OpenAI-compatible server)", getattr(spec, name))
+    return spec
 
 
 def stage_from(data: Any, path: str, base: RequestSpec) -> Stage:

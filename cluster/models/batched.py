@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from cluster.core.constraint import mask_logits
 from cluster.core.draft_stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.sampling import (
@@ -37,6 +38,7 @@ from cluster.core.sampling import (
     sample,
 )
 from cluster.models.head import resolve_head
+from cluster.models.memory import memory_report
 from cluster.models.slot_cache import SlotCache
 from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit, read_config
 
@@ -63,6 +65,7 @@ class BatchedHFWorker(BatchedHandle):
         self.layout = attention_layout(cfg, type(model))     # ConfigError for what cannot be served exactly
         self.max_length = int(max_length or position_limit(cfg))
         self.num_params = sum(p.numel() for p in model.parameters())
+        self.memory = memory_report(model)            # for the engine's default KV budget
         self.device = next(model.parameters()).device
         self._cache = SlotCache(self.layout.layer_types, self.max_length)
         self._requests: dict[str, _Request] = {}
@@ -190,10 +193,12 @@ class BatchedHFWorker(BatchedHandle):
             done = set()
             for i, (lg, hid) in zip(live, res):
                 req, (_, k, head, rule) = reqs[i], items[i]
-                tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
+                last = lg[-1] if req.sampling.constraint is None else \
+                    mask_logits(lg[-1], req.sampling.constraint.allowed(req.tokens))   # a grammar's law (core/constraint.py)
+                tok = sample(logits_to_probs(last, req.sampling), req.rng)
                 req.tokens.append(tok)
                 out[i][0].append(tok)
-                out[i][1].append(lg[-1])
+                out[i][1].append(last)
                 if rule is None:
                     stop = step >= k
                 else:                                                # e_{i-1}: candidate i-1's acceptance

@@ -7,25 +7,47 @@ naming ``messages``: a non-empty list of at most MAX_MESSAGES objects ``{"role",
 ROLES, a content that is a string or a list of OpenAI text parts ``[{"type": "text", "text": ...}]`` (joined;
 what vLLM's ``openai-chat`` benchmark client sends), at most MAX_PROMPT_CHARS characters in all.  A tokenizer
 without a chat template is refused (naming ``messages``), never given a made-up format.
+
+Tool calling (OpenAI's shapes, as vLLM hands them to templates): a ``tool`` message carries the result of a
+call (``tool_call_id``, ``content``); an assistant message may carry ``tool_calls`` (content then optional),
+each ``{"id", "type": "function", "function": {"name", "arguments": JSON text}}``, its arguments parsed to
+an object for the template (vLLM does the same: templates write them with ``tojson``); ``name`` is kept.
+The request's ``tools`` go to the template as ``tools`` (``apply_chat_template(messages, tools=...)``).
 """
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import meta
 
 from cluster.errors import ParamError, check_text
 from cluster.models.tokenizer import ByteTokenizer
 
 MAX_MESSAGES = 256
 MAX_CHAT_CHARS = 1 << 20          # every message's content together (cluster.engine.request.MAX_PROMPT_CHARS)
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 ALLOWED = (f"a non-empty list of at most {MAX_MESSAGES} objects {{\"role\": one of {', '.join(ROLES)}, "
-           "\"content\": a string or a list of text parts}")
+           "\"content\": a string or a list of text parts} (assistant: or tool_calls; tool: and tool_call_id)")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+CALL_SHAPE = ('tool_calls: a list of {"id": a string, "type": "function", "function": {"name": a string, '
+              '"arguments": JSON object text}}')
 
 # The template of the embedded family and of the byte-level tokenizer of the tiny test models: both are
 # trained on (or stand in for) Python source, so a conversation is written as Python comments, one line per
 # message line, and the generation prompt opens the assistant's turn.
+# With tools: each one's function on a line, then how to call (the hermes format, cluster/models/tool_calls.py);
+# an assistant turn that called tools is written as the calls the model made, a tool's result as its message.
 CODE_CHAT_TEMPLATE = (
-    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] | replace('\\n', '\\n# ') }}\n{% endfor %}"
+    "{% for t in tools or [] %}# available tool: {{ (t['function'] if t['function'] is defined else t) | tojson }}\n"
+    "{% if loop.last %}# call a tool with <tool_call>, a JSON object {\"name\", \"arguments\"}, "
+    "</tool_call>\n{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['tool_calls'] is defined and m['tool_calls'] %}# {{ m['role'] }}:\n"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>\n{% endfor %}"
+    "{% else %}# {{ m['role'] }}: {{ m['content'] | replace('\\n', '\\n# ') }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
 
@@ -43,14 +65,39 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         raise ParamError("messages", ALLOWED, messages)
     out, chars = [], 0
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or "content" not in m:
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES or ("content" not in m and not calls) or \
+                any(v is not None for k, v in m.items() if k not in MESSAGE_KEYS):   # an SDK's null extras pass
             raise ParamError("messages", ALLOWED + f" (message {i})", m)
-        content = _text(m["content"], i)
+        content = "" if m.get("content") is None and calls else _text(m["content"], i)
         chars += len(content)
         if chars > MAX_CHAT_CHARS:
             raise ParamError("messages", f"at most {MAX_CHAT_CHARS} characters of content", f"{chars}+ characters")
-        out.append({"role": m["role"], "content": content})
+        msg = {"role": m["role"], "content": content}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str) or not 0 < len(m[key]) <= 256:
+                    raise ParamError("messages", f"{key}: a string of 1 to 256 characters (message {i})", m[key])
+                msg[key] = m[key]
+        if m["role"] == "tool" and "tool_call_id" not in msg:
+            raise ParamError("messages", f"a tool message with its tool_call_id (message {i})", m)
+        if calls is not None:
+            msg["tool_calls"] = [_call(c, i) for c in (calls if isinstance(calls, list) else [None])]
+        out.append(msg)
     return out
+
+
+def _call(c: Any, i: int) -> dict:
+    """One assistant tool call, its arguments parsed to an object for the template."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    try:
+        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else None
+        if not (isinstance(c.get("id"), str) and c.get("type", "function") == "function" and
+                isinstance(fn["name"], str) and isinstance(args, dict)):
+            raise TypeError
+    except (TypeError, KeyError, ValueError):
+        raise ParamError("messages", CALL_SHAPE + f" (message {i})", c) from None
+    return {"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def _text(content: Any, i: int) -> str:
@@ -65,19 +112,57 @@ def _text(content: Any, i: int) -> str:
     return check_text("messages", content, MAX_CHAT_CHARS, allow_empty=True)
 
 
-def render_chat(tokenizer, messages: Any) -> str:
-    """The prompt text of ``messages`` under ``tokenizer``'s chat template, the assistant's turn opened."""
+# what the server passes to a template itself, and transformers' template globals: never a client's kwargs
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt", "tokenize", "chat_template",
+                            "tools", "documents", "continue_final_message", "return_dict", "return_tensors",
+                            "padding", "truncation", "max_length", "tokenizer_kwargs", "bos_token", "eos_token",
+                            "pad_token", "unk_token", "raise_exception", "strftime_now", "tojson")
+
+
+def template_variables(template: str) -> set[str] | None:
+    """The variables a chat template reads (Jinja's ``meta.find_undeclared_variables`` of its syntax tree, with
+    the extensions transformers compiles templates with); None when it does not parse here (then the
+    template itself decides when it is rendered)."""
+    try:
+        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return meta.find_undeclared_variables(ast)
+
+
+def check_template_kwargs(template: str, kwargs: dict | None) -> dict:
+    """``kwargs`` (``chat_template_kwargs``): names the template reads, none the server sets itself.  Jinja
+    renders a variable the template never mentions as if it were not there, so a misspelt or unsupported switch
+    (``enable_thinkng``, or ``enable_thinking`` for a model that does not think) would be ignored silently: it
+    is refused, naming it, as every field this server does not act on is."""
+    names = set(kwargs or {})
+    read = template_variables(template)
+    readable = None if read is None else read - set(RESERVED_TEMPLATE_KWARGS)
+    bad = sorted(names & set(RESERVED_TEMPLATE_KWARGS)) + sorted(names - readable if readable is not None else ())
+    if bad:
+        raise ParamError("chat_template_kwargs", "names this model's chat template reads, other than what the "
+                         "server sets: " + (", ".join(sorted(readable or ())) or "none"), bad[0])
+    return dict(kwargs or {})
+
+
+def render_chat(tokenizer, messages: Any, *, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """The prompt text of ``messages`` under ``tokenizer``'s chat template, the assistant's turn opened;
+    ``template_kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``);
+    ``tools`` (OpenAI's ``tools``, already checked) are the template's ``tools``."""
     msgs = check_messages(messages)
     template = chat_template(tokenizer)
     if template is None:
         raise ParamError("messages", "a served model with a chat template (this model's tokenizer has none: "
                          "use /v1/completions with a prompt)", "messages")
+    extra = check_template_kwargs(template, template_kwargs)
     hf = getattr(tokenizer, "tok", None)
     try:
         if hf is not None:
-            return hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
         from transformers.utils.chat_template_utils import render_jinja_template
-        (text,), _ = render_jinja_template([msgs], chat_template=template, add_generation_prompt=True)
+        (text,), _ = render_jinja_template([msgs], tools=tools, chat_template=template, add_generation_prompt=True,
+                                           **extra)
         return text
     except Exception as e:                     # noqa: BLE001 - a template may raise on a conversation it refuses
         if type(e).__name__ in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):

@@ -40,6 +40,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         from transformers import AutoTokenizer
+        self.path = str(path)                   # where another process loads it again (grammars: models/grammar.py)
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.tok.model_max_length = 1 << 40     # lengths are checked against the model by the engine
         self.vocab_size = len(self.tok)

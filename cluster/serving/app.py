@@ -89,8 +89,9 @@ class SpecServeDeployment:
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
             self._grpc_role(grpc_context)
-            req = await admit(self.coord, self.cfg, fields_from_proto(request))
-            return result_to_proto(await self.coord.generate(req))
+            fields = fields_from_proto(request)
+            req = await admit(self.coord, self.cfg, fields)
+            return result_to_proto(await self.coord.generate(req), fields.structured)
         except asyncio.CancelledError:
             raise
         except Exception as e:                     # noqa: BLE001 - mapped to a status code
@@ -99,9 +100,10 @@ class SpecServeDeployment:
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         try:
             self._grpc_role(grpc_context)
-            req = await admit(self.coord, self.cfg, fields_from_proto(request))
+            fields = fields_from_proto(request)
+            req = await admit(self.coord, self.cfg, fields)
             async for chunk in self.coord.stream(req):
-                yield chunk_to_proto(chunk)
+                yield chunk_to_proto(chunk, fields.structured)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:                     # noqa: BLE001 - one empty chunk carries the status

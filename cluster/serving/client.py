@@ -63,16 +63,25 @@ class SpecServeClient:
                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                 seed: int | None = None, stop=(), strategy: str | None = None, options: dict | None = None,
                 ignore_eos: bool = False, request_id: str | None = None, messages=None,
-                logprobs: int | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+                logprobs: int | None = None, prompt_logprobs: int | None = None, prediction: str | None = None,
+                chat_template_kwargs: dict | None = None, tools=None, tool_choice: str = "",
+                parallel_tool_calls: bool | None = None, response_format=None) -> pb.GenerateRequest:
         """A GenerateRequest; ``None`` leaves a field unset (the server's config default).  ``messages``: a
-        chat, ``[{"role": ..., "content": ...}]``, rendered with the served model's chat template."""
+        chat, ``[{"role": ..., "content": ...}]`` (``tool_calls``: ``[{"id", "name", "arguments"}]``), rendered
+        with the served model's chat template (with the extra variables ``chat_template_kwargs``); ``tools`` /
+        ``response_format``: OpenAI's list / object; ``prediction``: the output text expected (predicted outputs)."""
         m = pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or []), stop=list(stop),
                                strategy=strategy or "", options={k: str(v) for k, v in (options or {}).items()},
                                ignore_eos=ignore_eos, request_id=request_id or "",
-                               messages=[pb.ChatMessage(**x) for x in messages or ()])
+                               messages=[pb.ChatMessage(**x) for x in messages or ()],
+                               chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
+                               tools_json=json.dumps(tools) if tools else "", tool_choice=tool_choice,
+                               response_format_json=json.dumps(response_format) if response_format else "")
+        if parallel_tool_calls is not None:
+            m.parallel_tool_calls = parallel_tool_calls
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
                             ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
-                            ("prompt_logprobs", prompt_logprobs)):
+                            ("prompt_logprobs", prompt_logprobs), ("prediction", prediction)):
             if value is not None:
                 setattr(m, name, value)
         return m

@@ -89,9 +89,7 @@ class CompletionFormat(ResponseFormat):
             choice["prompt_logprobs"] = [None if lp is None else {
                 str(t): {"logprob": v, "decoded_token": self.tokenizer.decode([t])}
                 for t, v in ((lp.token_id, lp.logprob), *lp.top)} for lp in r.prompt_logprobs]
-        out = self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids)))
-        out["specserve"] = self.extension(r)
-        return out
+        return self.finished(self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids), r.stats)), r)
 
     def opening(self) -> list[dict]:
         if not self.echo:

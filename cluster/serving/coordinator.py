@@ -30,6 +30,7 @@ from cluster.engine.request import (
     StreamChunk,
 )
 from cluster.engine.sequence import WAITING, Sequence
+from cluster.serving.chunks import ChunkBox, StepDelivery, paced
 from cluster.serving.metrics import Timeline
 from cluster.serving.unit import build_unit
 from cluster.strategies import REGISTRY
@@ -58,6 +59,7 @@ class Coordinator:
         self._timelines: dict[Sequence, Timeline] = {}     # live streamed requests not yet in the batch
         self.warm = False
         self._wake = threading.Condition()
+        self._delivery = StepDelivery()      # streamed chunks: one wake-up per event loop per step
         self._stop = threading.Event()
         self._stopped = False
         self._loop = threading.Thread(target=self._run, daemon=True, name="specserve-step-loop")
@@ -103,6 +105,7 @@ class Coordinator:
                 self.engine.step()
             except Exception:                    # noqa: BLE001 - the loop must survive; requests failed inside
                 log.exception("engine step failed")
+            self._delivery.deliver()
             for seq, timeline in list(self._timelines.items()):    # joined the batch in this step
                 if seq.status != WAITING:
                     timeline.scheduled = max(timeline.queued, started)
@@ -120,24 +123,26 @@ class Coordinator:
         """Validate and tokenize ``req`` once (raises ParamError): the prepared request flows down."""
         return self.engine.prepare(req)
 
-    async def stream(self, req: GenerationRequest | PreparedRequest) -> AsyncIterator[StreamChunk]:
-        """Validate, admit and run ``req``; yield its chunks.  Closing the iterator (or cancelling the task
-        consuming it) stops the generation at the next step boundary and frees its state everywhere."""
+    async def stream(self, req: GenerationRequest | PreparedRequest, *, whole: bool = False
+                     ) -> AsyncIterator[StreamChunk]:
+        """Validate, admit and run ``req``; yield its chunks, coalesced and paced by ``cluster.stream``
+        (:mod:`cluster.serving.chunks`; ``whole``: only the last chunk, holding everything).  Closing the
+        iterator (or cancelling the task consuming it) stops the generation at the next step boundary and frees
+        its state everywhere."""
         req = self.prepare(req)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        box = ChunkBox(asyncio.get_running_loop(), self._delivery)
         admitted = time.perf_counter()
         timeline = Timeline(admitted)
 
         def sink(chunk: StreamChunk) -> None:
             if chunk.token_ids:
                 timeline.tokens()
-            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            box.put(chunk)
 
         def on_end(seq: Sequence) -> None:
             self._timelines.pop(seq, None)
             self._record(seq, admitted, timeline)
-            loop.call_soon_threadsafe(queue.put_nowait, seq)
+            box.put(seq)
 
         seq = self.engine.add(req, sink, on_end)    # ParamError / OverloadedError: refused at once
         if seq.status == WAITING:                   # the step loop stamps when it joins the batch
@@ -145,26 +150,18 @@ class Coordinator:
         else:                                       # joined in a step that began meanwhile
             timeline.scheduled = time.perf_counter()
         self._notify()
-        done = False
+        pace = self.cfg.cluster.stream
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Sequence):      # ended without a final chunk: failed or cancelled
-                    done = True
-                    if item.error is not None:
-                        raise item.error
-                    return
-                done = item.finish_reason is not None
-                yield item
-                if done:
-                    return
+            async for chunk in paced(box, lambda item: isinstance(item, Sequence), whole=whole,
+                                     interval_tokens=pace.interval_tokens, interval_ms=pace.interval_ms):
+                yield chunk
         finally:
-            if not done:
+            if seq.finish is None:                  # the reader left before the end: stop it
                 self.engine.abort(req.rid)
                 self._notify()
 
     async def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
-        async for chunk in self.stream(req):
+        async for chunk in self.stream(req, whole=True):
             if chunk.result is not None:
                 return chunk.result
         raise RuntimeError("generation ended without a result")
@@ -184,9 +181,9 @@ class Coordinator:
         return seq.result
 
     def _kv_capacity(self) -> int:
-        """KV positions the unit's running requests may reserve: ``engine.kv_budget_tokens``, else
-        ``max_batch`` rows of the target's full length."""
-        budget = self.cfg.engine.kv_budget_tokens
+        """KV positions the unit's running requests may reserve: the engine's KV budget (configured or derived
+        from device memory), else ``max_batch`` rows of the target's full length."""
+        budget = self.engine.scheduler.limits.kv_budget_tokens
         return budget or self.max_batch * max(1, int(self.engine.models[self.cfg.target].max_length))
 
     def _record(self, seq: Sequence, admitted: float, timeline: Timeline | None = None) -> None:

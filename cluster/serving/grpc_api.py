@@ -30,6 +30,7 @@ bigger messages before they are read.
 """
 from __future__ import annotations
 
+import json
 
 from cluster.engine.request import (
     MAX_OPTIONS,
@@ -40,7 +41,9 @@ from cluster.engine.request import (
 )
 from cluster.errors import ParamError
 from cluster.models.chat import MAX_MESSAGES
+from cluster.serving.oai_fields import MAX_TEMPLATE_KWARGS_BYTES, TEMPLATE_KWARGS_ALLOWED, template_kwargs
 from cluster.serving.requests import Fields
+from cluster.serving.structured import Structured, structured, tool_call_objects
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
 from protos.guard import MalformedRequest
@@ -62,19 +65,57 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
         raise malformed_error(m)
     for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
                                ("prompt", len(m.prompt), MAX_PROMPT_CHARS, "characters"),
+                               ("prediction", len(m.prediction), MAX_PROMPT_CHARS, "characters"),
                                ("stop", len(m.stop), MAX_STOP_STRINGS, "strings"),
                                ("options", len(m.options), MAX_OPTIONS, "options"),
                                ("messages", len(m.messages), MAX_MESSAGES, "messages")):
         if n > cap:
             raise ParamError(name, f"at most {cap} {what}", f"{n} {what}")
     opt = {name: getattr(m, name) if m.HasField(name) else None for name in OPTIONAL}
-    messages = [{"role": x.role, "content": x.content} for x in m.messages] or None
+    messages = [_message(x) for x in m.messages] or None
+    choice = m.tool_choice if m.tool_choice in ("", "none", "auto", "required") else \
+        {"type": "function", "function": {"name": m.tool_choice}}
+    spec = structured(_json("tools", m.tools_json), choice or None,
+                      m.parallel_tool_calls if m.HasField("parallel_tool_calls") else None,
+                      _json("response_format", m.response_format_json))
     return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, messages=messages,
                   stop=tuple(m.stop), strategy=m.strategy or None, options=dict(m.options),
-                  ignore_eos=m.ignore_eos, request_id=m.request_id or None, **opt)
+                  ignore_eos=m.ignore_eos, request_id=m.request_id or None,
+                  template_kwargs=template_kwargs_json(m.chat_template_kwargs), structured=spec, **opt)
 
 
-OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
+def _message(x: pb.ChatMessage) -> dict:
+    """A chat message as OpenAI's JSON shape (what cluster.models.chat checks)."""
+    out = {"role": x.role, "content": x.content}
+    out.update({k: getattr(x, k) for k in ("name", "tool_call_id") if getattr(x, k)})
+    if x.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in x.tool_calls]
+    return out
+
+
+def _json(name: str, text: str):
+    """A JSON-text field (None when empty)."""
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        raise ParamError(name, "JSON text", text) from None
+
+
+OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "prediction")
+
+
+def template_kwargs_json(text: str) -> dict | None:
+    """``chat_template_kwargs`` from its JSON text ("" = none)."""
+    if not text:
+        return None
+    if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ParamError("chat_template_kwargs", TEMPLATE_KWARGS_ALLOWED, f"{len(text)} characters")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ParamError("chat_template_kwargs", "a JSON object: " + TEMPLATE_KWARGS_ALLOWED, text) from None
+    return template_kwargs(value)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -84,7 +125,8 @@ def stats_to_proto(s) -> pb.Stats:
                     drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
                     accepted_hist=s.accepted_hist, accepted_per_pos=s.accepted_per_pos, wall_s=s.wall_s,
                     ttft_s=s.ttft_s, tokens_per_s=s.tokens_per_s, mean_accepted=s.mean_accepted,
-                    acceptance_rate=s.acceptance_rate)
+                    acceptance_rate=s.acceptance_rate, prediction_drafted=s.prediction_drafted,
+                    prediction_accepted=s.prediction_accepted)
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
@@ -93,16 +135,21 @@ def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
                             top_logprobs=[v for _, v in lp.top]) for lp in entries or () if lp is not None]
 
 
-def result_to_proto(r: GenerationResult) -> pb.GenerateResponse:
+def result_to_proto(r: GenerationResult, spec: Structured | None = None) -> pb.GenerateResponse:
+    """The response; with tools (``spec`` reads calls) the calls read from the output and its content."""
+    content, calls = spec.fmt.parse(r.text) if spec is not None and spec.reads_calls else (r.text, [])
     return pb.GenerateResponse(text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
                                stats=stats_to_proto(r.stats), seed=r.seed, request_id=r.request_id,
                                logprobs=logprobs_to_proto(r.logprobs),
-                               prompt_logprobs=logprobs_to_proto(r.prompt_logprobs))
+                               prompt_logprobs=logprobs_to_proto(r.prompt_logprobs), content=content or "",
+                               tool_calls=[pb.ToolCall(id=c["id"], name=c["function"]["name"],
+                                                       arguments=c["function"]["arguments"])
+                                           for c in tool_call_objects(calls)])
 
 
-def chunk_to_proto(chunk) -> pb.GenerateChunk:
+def chunk_to_proto(chunk, spec: Structured | None = None) -> pb.GenerateChunk:
     return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason or "",
-                            result=result_to_proto(chunk.result) if chunk.result else None,
+                            result=result_to_proto(chunk.result, spec) if chunk.result else None,
                             logprobs=logprobs_to_proto(chunk.logprobs))
 
 

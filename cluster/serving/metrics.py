@@ -9,8 +9,8 @@ per-iteration ITL) and ``request_time_per_output_token_seconds`` (per request); 
 (queue, prefill, decode, inference) are timed as vLLM's ``RequestStateStats`` (``vllm/v1/metrics/stats.py``):
 queued at admission, scheduled when the request joins the running batch, first and last token when the
 engine emits them.  ``kv_cache_usage_perc`` is the fraction of the unit's KV positions the running requests
-reserve (``engine.kv_budget_tokens``, else ``max_batch`` x the target's length), what admission is decided on.  Ray prefixes every name with
-``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
+reserve (``engine.kv_budget_tokens``, configured or derived from device memory), what admission is decided
+on.  Ray prefixes every name with ``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
 ``ray_vllm_spec_decode_num_drafts_total``.  (A ``:`` in a Ray metric name is deprecated and the series is
 dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name.
 
@@ -42,6 +42,7 @@ PHASE_BOUNDS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5
                 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TPOT_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 TOKEN_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+RATE_BOUNDS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]   # a share in [0, 1]
 OUTCOMES = ("ok", "cancelled", "invalid", "not_found", "overloaded", "unauthenticated", "unavailable",
             "deadline", "error")
 INVALID_LABEL = "invalid"
@@ -63,6 +64,7 @@ EXPORTED = {
     "ray_vllm_request_generation_tokens": "histogram",
     "ray_specserve_requests_total": "counter", "ray_specserve_cascade_deferrals_total": "counter",
     "ray_specserve_cascade_deferral_checks_total": "counter", "ray_specserve_model_up": "gauge",
+    "ray_specserve_request_acceptance_rate": "histogram",
 }
 
 log = logging.getLogger("specserve.metrics")
@@ -152,6 +154,10 @@ class Metrics:
         self.req_prompt = histogram("vllm_request_prompt_tokens", "prompt tokens per request", TOKEN_BOUNDS)
         self.req_generated = histogram("vllm_request_generation_tokens", "generated tokens per request",
                                        TOKEN_BOUNDS)
+        # an output-quality signal per request: garbled output drives a request's acceptance toward 0, a loop
+        # (the drafters copy it) toward 1; only requests that drafted are observed
+        self.acceptance = histogram("specserve_request_acceptance_rate", "accepted of drafted tokens, per request "
+                                    "that drafted (vLLM's draft acceptance rate, per request)", RATE_BOUNDS)
         self.model_up = Gauge("specserve_model_up", "1 while a model of the unit answers, 0 while it is marked "
                               "down (its requests go on without it; a down target fails them)",
                               tag_keys=("model_name", "model"))
@@ -214,6 +220,8 @@ class Metrics:
         for pos, n in enumerate(st.accepted_per_pos):
             if n:
                 self.accepted_pos.inc(n, {**tags, "position": str(pos)})
+        if st.drafted_tokens:
+            self.acceptance.observe(st.accepted_tokens / st.drafted_tokens, tags)
         self.req_prompt.observe(st.prompt_tokens, tags)
         self.req_generated.observe(st.generated_tokens, tags)
         if st.ttft_s:

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.errors import ParamError, shown
+from cluster.serving.oai_fields import PREDICTION_ALLOWED, prediction_text
 from cluster.strategies import REGISTRY
 
 ANY_BOOL = (True, False)
@@ -58,6 +59,7 @@ class OpenAIRequest(BaseModel):
     strategy: str | None = Field(None, description="one of " + ", ".join(sorted(REGISTRY)))
     options: dict[str, Any] | None = Field(None, description="an object of strategy options")
     ignore_eos: bool | None = Field(None, description="true or false")
+    prediction: Any = Field(None, description=PREDICTION_ALLOWED)
     _usage: tuple[bool, bool] = PrivateAttr((False, False))
 
     @model_validator(mode="after")
@@ -75,7 +77,7 @@ class OpenAIRequest(BaseModel):
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     seed=self.seed, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                     strategy=self.strategy, options=self.options or {}, ignore_eos=bool(self.ignore_eos),
-                    model=self.model)
+                    model=self.model, prediction=prediction_text(self.prediction))
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from cluster.engine.request import GenerationResult, PreparedRequest, StreamChunk, TokenLogprob
+from cluster.serving.oai_fields import prediction_usage, speculative_decoding
 
 
 def openai_finish(reason: str | None) -> str | None:
@@ -65,17 +66,29 @@ class ResponseFormat:
         self.id, self.created = self.prefix + req.rid, int(time.time())
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.generated = 0                    # tokens streamed so far
+        self.stats = None                     # the finished request's statistics (a stream's last chunk)
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, stats=None) -> dict:
+        """OpenAI's usage; with the finished request's ``stats``, a predicted request's
+        ``completion_tokens_details`` (accepted / rejected prediction tokens)."""
         prompt = len(self.req.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+               "total_tokens": prompt + completion_tokens}
+        if stats is not None and self.req.prediction_ids is not None:
+            out["completion_tokens_details"] = prediction_usage(stats)
+        return out
 
     def envelope(self, choices: list, *, chunk: bool, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object_chunk if chunk else self.object_whole,
                "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        return out
+
+    def finished(self, out: dict, r: GenerationResult) -> dict:
+        """The last object of a request: ours (``specserve``) and vLLM's ``metrics.speculative_decoding``."""
+        out["specserve"] = self.extension(r)
+        out["metrics"] = {"speculative_decoding": speculative_decoding(r.stats)}
         return out
 
     @staticmethod
@@ -93,14 +106,15 @@ class ResponseFormat:
         self.generated += len(chunk.token_ids)
         if not (chunk.text or chunk.finish_reason or (chunk.logprobs and self.req.logprobs is not None)):
             return []
-        out = self.envelope([self.chunk_choice(chunk)], chunk=True,
-                            usage=self.usage(self.generated) if self.continuous_usage else None)
         if chunk.result is not None:
-            out["specserve"] = self.extension(chunk.result)
-        return [out]
+            self.stats = chunk.result.stats
+        out = self.envelope([self.chunk_choice(chunk)], chunk=True,
+                            usage=self.usage(self.generated, self.stats) if self.continuous_usage else None)
+        return [out if chunk.result is None else self.finished(out, chunk.result)]
 
     def closing(self) -> list[dict]:
-        return [self.envelope([], chunk=True, usage=self.usage(self.generated))] if self.include_usage else []
+        return [self.envelope([], chunk=True, usage=self.usage(self.generated, self.stats))] \
+            if self.include_usage else []
 
     def chunk_choice(self, chunk: StreamChunk) -> dict:
         raise NotImplementedError

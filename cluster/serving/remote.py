@@ -51,6 +51,7 @@ class RemoteHandle(BatchedHandle):
         self.num_params = int(info["num_params"])
         self.deterministic, self.proposes = bool(info["deterministic"]), bool(info["proposes"])
         self.adaptive, self.specdec_head = bool(info["adaptive"]), info["specdec_head"]
+        self.memory = info["memory"]          # KV bytes per token, weights, device memory (the KV budget)
         self.placement = placement
         self.tp_size = channel.ranks
         self.timing = CallTiming()

@@ -41,7 +41,10 @@ class Fields:
     model: str | None = None               # None: the served one
     logprobs: int | None = None            # top-n per emitted token (None: none)
     prompt_logprobs: int | None = None     # top-n per prompt token (None: none)
+    structured: Any = None                 # tools / tool_choice / response_format (serving/structured.py)
     names: dict[str, str] = field(default_factory=dict)   # engine parameter -> the front's name for it
+    prediction: str | None = None          # predicted output text (OpenAI's prediction.content)
+    template_kwargs: dict | None = None    # chat: extra chat-template variables (chat_template_kwargs)
 
 
 def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
@@ -59,21 +62,26 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
         if f.prompt or f.prompt_ids:
             raise ParamError("messages", "unset when a prompt is given (one of prompt, prompt_ids, messages)",
                              f.messages)
-        prompt = render_chat(tokenizer, f.messages)
+        prompt = render_chat(tokenizer, f.messages, template_kwargs=f.template_kwargs,
+                             tools=f.structured.tools if f.structured else None)
+    elif f.template_kwargs:
+        raise ParamError("chat_template_kwargs", "unset unless messages are given", f.template_kwargs)
+    grammar = f.structured.compile(tokenizer, cfg.chat.tool_parser) if f.structured is not None else None
     gen = cfg.generation
     sampling = SamplingParams(temperature=_or(f.temperature, gen.temperature), top_p=_or(f.top_p, gen.top_p),
                               top_k=_or(f.top_k, gen.top_k))
     return GenerationRequest(prompt=prompt, prompt_ids=f.prompt_ids, sampling=sampling, seed=f.seed,
                              max_new_tokens=_or(f.max_new_tokens, gen.max_new_tokens), stop=tuple(f.stop),
                              strategy=f.strategy, options=dict(f.options), ignore_eos=f.ignore_eos,
-                             request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs)
+                             request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
+                             prediction=f.prediction, grammar=grammar)
 
 
 def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:
     """Build, validate and tokenize through ``coord.prepare`` (the engine's; blocking).  A
     refusal of a rendered chat prompt names ``messages``."""
     try:
-        tokenizer = coord.engine.tokenizer if f.messages is not None else None
+        tokenizer = coord.engine.tokenizer if f.messages is not None or f.structured is not None else None
         return coord.prepare(build_request(cfg, f, tokenizer))
     except ParamError as e:
         name = "messages" if f.messages is not None and e.name == "prompt" else f.names.get(e.name)

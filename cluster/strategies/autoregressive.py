@@ -9,6 +9,7 @@ from cluster.strategies.base import Score, StepContext, Strategy, register
 class Autoregressive(Strategy):
     name = "autoregressive"
     help = "one target forward pass per token"
+    constrained = True
 
     def roles(self) -> list[str]:
         return [self.target_name]
@@ -16,7 +17,7 @@ class Autoregressive(Strategy):
     def step(self, ctx: StepContext):
         logits = yield Score(self.target_name, ())          # [1, V]
         ctx.stats.forward(self.target_name, target=True)
-        tok = sample(ctx.probs(logits)[0], ctx.rng)
+        tok = sample(ctx.target_probs(logits)[0], ctx.rng)
         ctx.commit([ctx.target], 0, [tok])
         ctx.record_logprobs(logits, [tok])
         return [tok]

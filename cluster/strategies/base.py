@@ -23,9 +23,11 @@ from typing import Any, Callable, ClassVar, Generator
 import torch
 
 from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
+from cluster.core.constraint import constrain_rows
 from cluster.core.drafting import DRAFTS
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.logprobs import TokenLogprob, token_logprobs
+from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.core.stats import RequestStats
 from cluster.errors import ParamError, check_choice, check_float, check_int
@@ -82,6 +84,7 @@ class StepContext:
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
     logprobs: int | None = None    # top-n of the target's logprobs per emitted token (None: not asked)
     step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
+    prediction: Prediction | None = None   # the client's predicted output (drafting strategies draw from it)
 
     @property
     def target(self) -> BatchedHandle:
@@ -89,6 +92,11 @@ class StepContext:
 
     def probs(self, logits: torch.Tensor, sampling: SamplingParams | None = None) -> torch.Tensor:
         return logits_to_probs(logits, sampling or self.sampling)
+
+    def target_probs(self, logits: torch.Tensor, draft=()) -> torch.Tensor:
+        """The target's law at rows ``[L+1, V]`` of a forward over ``draft``: masked by the request's grammar
+        (row i after tokens + draft[:i]; :mod:`cluster.core.constraint`), then the request's sampling."""
+        return logits_to_probs(constrain_rows(self.sampling.constraint, self.tokens, draft, logits), self.sampling)
 
     def record_logprobs(self, target_logits: torch.Tensor, emitted: list[int]) -> None:
         """Every strategy calls this once per step with the target's raw logits ``[>= N, V]`` whose row i
@@ -113,6 +121,7 @@ class Strategy:
     help: ClassVar[str] = ""
     options: ClassVar[tuple[Option, ...]] = ()
     lossless: ClassVar[bool] = True
+    constrained: ClassVar[bool] = False   # True: samples the grammar-constrained target law exactly (core/constraint.py)
     load_aware: bool = False       # True: the engine's planner chooses the draft length (ctx.planned_k)
 
     def __init__(self, opts: dict[str, Any], models: dict[str, BatchedHandle], target: str):

@@ -29,6 +29,7 @@ class Mag(Speculative):
     name = "mag"
     help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
     options = (K, VERIFY, PLAN)
+    constrained = True
 
     def choose_drafter(self, opts) -> str:
         return find_mag(self.models)

@@ -35,6 +35,7 @@ class SpecDecPP(Strategy):
     name = "specdec_pp"
     help = "speculative decoding whose draft length is chosen per step by a trained acceptance head"
     options = (DRAFTER, K_MAX, THRESHOLD, HEAD, VERIFY)
+    constrained = True
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)

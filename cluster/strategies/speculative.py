@@ -30,6 +30,7 @@ class Speculative(Strategy):
     name = "speculative"
     help = "draft k tokens with a neural drafter, verify them in one target pass"
     options = (DRAFTER, K, VERIFY, PLAN)
+    constrained = True
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
@@ -59,19 +60,33 @@ def draft_length(ctx: StepContext, k: int) -> int:
 
 def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     """One draft-score-verify step: a block of at most ``k`` drafts from the draft side (one call), one
-    target forward over it, the verifier's verdict; returns the emitted tokens (accepted + 1)."""
-    block = (yield Draft(DRAFTS, spec, k, ctx.budget)) if k > 0 else DraftBlock([])   # tokens [L], q [L, V]
+    target forward over it, the verifier's verdict; returns the emitted tokens (accepted + 1).
+
+    With a predicted output (:mod:`cluster.core.prediction`) a prediction-backed block takes precedence where
+    the generated suffix occurs in the prediction (its own length: the prediction's ``k``, within the step's
+    budget; none while the planner says 0): deterministic drafts, verified like the Max-Gram drafter's, and the
+    draft side is not asked this step."""
+    predicted = ctx.prediction.draft(ctx.tokens, ctx.budget - 1) if ctx.prediction is not None and k > 0 else []
+    if predicted:
+        block = DraftBlock(predicted)                                                  # one-hot q
+    else:
+        block = (yield Draft(DRAFTS, spec, k, ctx.budget)) if k > 0 else DraftBlock([])   # tokens [L], q [L, V]
     for name, n in block.forwards.items():
         ctx.stats.forward(name, n)
     draft = block.tokens
     p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
-    p = ctx.probs(p_logits)
+    p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
     ctx.stats.forward(ctx.target_name, target=True)
     q = block.probs(p.shape[-1], ctx.sampling) if draft else p[:0]                # [L, V]
     verdict = verify(draft, q, p, ctx.rng)
     if draft:
         ctx.stats.verification(len(draft), verdict.accepted)
-    ctx.commit([ctx.target, ctx.models[DRAFTS]], verdict.accepted, [verdict.next_token])
     emitted = draft[:verdict.accepted] + [verdict.next_token]
+    if predicted:                      # the draft side holds no block this step: it is told the emitted tokens
+        ctx.stats.prediction(len(draft), verdict.accepted)
+        ctx.commit([ctx.target], verdict.accepted, [verdict.next_token])
+        ctx.commit([ctx.models[DRAFTS]], 0, emitted)
+    else:
+        ctx.commit([ctx.target, ctx.models[DRAFTS]], verdict.accepted, [verdict.next_token])
     ctx.record_logprobs(p_logits, emitted)
     return emitted

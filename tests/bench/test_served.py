@@ -1,8 +1,8 @@
 """The served suite end to end on configs/tiny.yaml, run as a user runs it (`specserve bench --suite served`, its
-own process: it starts Ray and Serve itself, separated topology, free ports, and a Serve already running in
-this test session's Ray would otherwise be joined): measures through gRPC at concurrency 1 and 2 and in-process
-at c = 1, writes the CSV/JSON/PNG and the production-70b projection, and every greedy output equals
-autoregressive's, with no failed request."""
+own process: it starts Ray and Serve itself, both topologies in turn, free ports, and a Serve already running in
+this test session's Ray would otherwise be joined): measures through gRPC, unary and streamed, at concurrency 1
+and 2 and in-process at c = 1, writes the CSV/JSON/PNG, the side-by-side summary and the production-70b
+projection, and every greedy output equals autoregressive's, with no failed request."""
 from __future__ import annotations
 
 import json
@@ -29,16 +29,28 @@ def test_served_suite_end_to_end(tmp_path):
     for ext in ("csv", "json", "png"):
         assert (tmp_path / f"bench_served.{ext}").stat().st_size > 0
     rows = json.loads((tmp_path / "bench_served.json").read_text())
-    assert sorted((r["strategy"], r["concurrency"]) for r in rows) == sorted((s, c) for s in ROWS for c in (1, 2))
+    cells = [(t, m, s, c) for t in ("separated", "colocated") for m in ("unary", "streamed") for s in ROWS
+             for c in (1, 2)]
+    assert sorted((r["topology"], r["mode"], r["strategy"], r["concurrency"]) for r in rows) == sorted(cells)
     for r in rows:
         assert r["failures"] == 0, r
         assert r["mismatches"] == 0, r
         assert r["requests"] == 2 * r["concurrency"]
         assert r["tokens"] == r["requests"] * NEW, r
-        assert r["tok_s"] > 0 and r["ttft_p50"] > 0 and r["tpot_p99"] >= r["tpot_p50"] >= 0, r
+        assert r["tok_s"] > 0
+        if r["mode"] == "streamed":
+            assert r["ttft_p50"] > 0 and r["tpot_p99"] >= r["tpot_p50"] >= 0, r
+            assert r["streamed_vs_unary"] > 0, r
+        else:
+            assert r["ttft_p50"] is None and r["streamed_vs_unary"] is None, r
         if r["concurrency"] == 1:
             assert r["in_process_tok_s"] > 0 and r["cluster_vs_in_process"] > 0, r
         if r["strategy"] == "autoregressive":
             assert r["vs_autoregressive"] == 1.0
+    summary = json.loads((tmp_path / "bench_served_summary.json").read_text())
+    assert [(s["topology"], s["c"]) for s in summary] == [(t, c) for t in ("separated", "colocated") for c in (1, 2)]
+    for s in summary:
+        assert s["ar_streamed/unary"] > 0 and s["ar_unary_tok_s"] > 0
+        assert all(len(s[name].split(" / ")) == 2 for name in ROWS[1:])
     assert "lossless (greedy)" in printed and "MISMATCH" not in printed
     assert "projection for configs/production-70b.yaml" in printed

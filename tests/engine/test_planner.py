@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config.schema import load_config
+from cluster.core.drafting import DRAFTS
 from cluster.core.forward_cost import ForwardCost, plan_draft_length
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
@@ -325,6 +326,27 @@ def test_load_aware_greedy_equals_autoregressive(planned_engine):
     assert [r.token_ids for r in out] == ref
     assert 4 in engine.planner.counts
     assert all(k <= 5 for _, k in engine.planner.history)
+
+
+def test_cascade_load_aware_steps_plainly_or_runs_the_whole_cascade(planned_engine):
+    """cs_drafting with plan=load_aware: the planner's arms are 0 (a plain decoding step: nothing drafted) and 1
+    (the whole cascade); either way every greedy output equals autoregressive's, batched."""
+    engine, measured = planned_engine, planned_engine.planner
+    ref = [r.token_ids for r in engine.generate_many([_req(p, "autoregressive") for p in PROMPTS[:3]])]
+    out = {}
+    huge_call = ForwardCost({(1, 1): 100.0, (32, 1): 100.0})      # a draft-side call no step can repay
+    for name, costs in (("plain", {"target": FLAT, DRAFTS: huge_call}), ("cascade", {"target": FLAT})):
+        engine.planner = Planner(costs, "target", probe_every=0)
+        try:
+            out[name] = engine.generate_many([_req(p, "cs_drafting", plan="load_aware") for p in PROMPTS[:3]])
+            out[name + "_k"] = [k for _, k in engine.planner.history]
+        finally:
+            engine.planner = measured
+    assert [r.token_ids for r in out["plain"]] == ref and [r.token_ids for r in out["cascade"]] == ref
+    assert set(out["plain_k"]) == {0} and all(r.stats.drafted_tokens == 0 for r in out["plain"])
+    # free drafts and a flat target: the prior starts with the cascade (later plans follow measurement)
+    assert out["cascade_k"][0] == 1 and set(out["cascade_k"]) <= {0, 1}
+    assert all(r.stats.drafted_tokens > 0 for r in out["cascade"])
 
 
 def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):

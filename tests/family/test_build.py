@@ -124,6 +124,23 @@ def test_tiny_build_produces_loadable_checkpoints(tiny_zoo):
         assert sum(p.numel() for p in model.parameters()) == m["params"]
 
 
+def test_tiny_build_records_its_instruction_phase_and_generation_checks(tiny_zoo):
+    from cluster.family.chateval import parses
+
+    _, manifest, _ = tiny_zoo
+    assert manifest["instruct"]["pairs"] > 10 and manifest["instruct"]["tokens"] > 0
+    target = model_entry(manifest, "target")["training"]
+    assert (target["instruct_steps"], target["instruct_rows"]) == (2, 1)
+    chat = manifest["chat"]
+    assert chat["requests"] == 2 and 0 <= chat["parsed"] <= 2 and 0 <= chat["stopped"] <= 2
+    assert all(ex["parses"] == parses(ex["answer"]) for ex in chat["examples"])
+    spec = manifest["speculative"]
+    for kind in ("chat", "completion"):
+        assert set(spec[kind]) == {"drafter-large", "drafter-small"}
+        for row in spec[kind].values():
+            assert 1 / (spec["k"] + 1) <= row["target_calls_per_token"] <= 1 and 0 <= row["acceptance"] <= 1
+
+
 def test_second_call_uses_cache(tiny_zoo):
     cache, manifest, build_secs = tiny_zoo
     t0 = time.perf_counter()
@@ -169,6 +186,7 @@ def test_zoo_info_prints_the_table_or_the_manifest(tiny_zoo, capsys):
     assert main(["zoo", "info", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "cost@1" in out and "cost@16" in out
+    assert f"chat: {manifest['chat']['parsed']}/2 greedy answers" in out
     row = next(line for line in out.splitlines() if line.startswith("drafter-large"))
     entry = next(m for m in manifest["models"] if m["name"] == "drafter-large")
     assert row.split()[-2:] == [f"{entry['cost_vs_target'][b]:.3f}" for b in ("1", "16")]

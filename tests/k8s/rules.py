@@ -216,12 +216,55 @@ def unit_demand(cfg) -> tuple[dict, list[dict]]:
         tp = {"cpu": cl.tp_size * cl.target.num_cpus, "gpu": cl.tp_size * cl.target.num_gpus}
     elif cl.target_placement == "actor":
         actors.append({"cpu": cl.target.num_cpus, "gpu": cl.target.num_gpus})
-    if separated:
-        actors += [{"cpu": cl.drafters.num_cpus, "gpu": cl.drafters.num_gpus}
-                   for name in cfg.models if name != cfg.target]
-        if cfg.mag is not None:
-            actors.append({"cpu": cl.drafters.num_cpus, "gpu": 0.0})
+    if separated and (cfg.drafters or cfg.mag is not None):     # one draft-group actor holds every drafter
+        actors.append({"cpu": cl.drafters.num_cpus, "gpu": cl.drafters.num_gpus})
     return tp, actors
+
+
+def role_gpus(cfg) -> dict[str, float]:
+    """GPUs one serving unit asks Ray for, by placement role (cluster/serving/unit.py)."""
+    cl = cfg.cluster
+    on_actors = cl.tp_size > 1 or cl.target_placement == "actor"
+    separated = cl.topology == "separated" and bool(cfg.drafters or cfg.mag is not None)
+    return {"target": cl.tp_size * cl.target.num_gpus if on_actors else 0.0, "coordinator": cl.coordinator.num_gpus,
+            "drafters": cl.drafters.num_gpus if separated else 0.0}
+
+
+def gpu_problems(doc: dict, cfg) -> list[str]:
+    """Each labelled worker group's pod asks Kubernetes for exactly the GPUs of the roles its Ray node labels host
+    (a pod per unit and group): fewer and the actors cannot start, more and the extra GPUs idle.  Skipped where a
+    role carries no labels (it may then land on any pod)."""
+    cl = cfg.cluster
+    labels = {role: getattr(cl, role).labels for role in ("target", "coordinator", "drafters")}
+    if not all(labels.values()):
+        return []
+    rc = doc["spec"]["rayClusterConfig"]
+    out = []
+    for g in rc.get("workerGroupSpecs", []):
+        hosted = [r for r, want in labels.items() if want.items() <= g.get("labels", {}).items()]
+        want = sum(role_gpus(cfg)[r] for r in hosted)
+        have = _gpus(ray_container(g["template"]), g.get("rayStartParams", {}))
+        if have != want:
+            out.append(f"{g['groupName']}: asks for {have:g} GPUs, its roles {hosted} ask Ray for {want:g}")
+    return out
+
+
+def shm_problems(doc: dict, cfg) -> list[str]:
+    """A tensor-parallel target over NCCL: the pods its ranks run on mount a memory-backed /dev/shm (NCCL's
+    intra-node transport; a container's default is 64 MiB)."""
+    cl = cfg.cluster
+    if cl.tp_size < 2 or cl.tp_backend() != "nccl":
+        return []
+    out = []
+    for g in doc["spec"]["rayClusterConfig"].get("workerGroupSpecs", []):
+        if not cl.target.labels.items() <= g.get("labels", {}).items():
+            continue
+        spec = g["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts = [m for m in ray_container(g["template"]).get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+        if not any(volumes.get(m["name"], {}).get("emptyDir", {}).get("medium") == "Memory" for m in mounts):
+            out.append(f"{g['groupName']}: hosts the NCCL tensor-parallel target without a memory-backed /dev/shm")
+    return out
 
 
 def capacity_problems(doc: dict, cfg) -> list[str]:

@@ -129,6 +129,8 @@ def test_rayservice_rules(name):
     assert rules.probe_problems(doc, cfg) == []
     assert rules.node_problems(doc) == []
     assert rules.capacity_problems(doc, cfg) == []
+    assert rules.gpu_problems(doc, cfg) == []
+    assert rules.shm_problems(doc, cfg) == []
 
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
@@ -179,7 +181,16 @@ RULE_BREAKAGES = {
     "other Ray version": (lambda d: d["spec"]["rayClusterConfig"].__setitem__("rayVersion", "2.9.0"),
                           rules.node_problems, "rayVersion 2.9.0"),
     "drafter pod too small": (lambda d: _worker(d, 1)["template"]["spec"]["containers"][0]["resources"]["limits"]
-                              .__setitem__("nvidia.com/gpu", "1"), rules.capacity_problems, "fits no pod"),
+                              .__setitem__("nvidia.com/gpu", "0"), rules.capacity_problems, "fits no pod"),
+    "drafter pod with an idle GPU": (lambda d: _worker(d, 1)["template"]["spec"]["containers"][0]["resources"]["limits"]
+                                     .__setitem__("nvidia.com/gpu", "2"), rules.gpu_problems,
+                                     "drafters: asks for 2 GPUs, its roles ['drafters'] ask Ray for 1"),
+    "TP pod short of GPUs": (lambda d: _worker(d, 0)["template"]["spec"]["containers"][0]["resources"]["limits"]
+                             .__setitem__("nvidia.com/gpu", "4"), rules.gpu_problems, "target-tp8: asks for 4 GPUs"),
+    "TP pod without /dev/shm": (lambda d: _worker(d, 0)["template"]["spec"]["volumes"].pop(), rules.shm_problems,
+                                "without a memory-backed /dev/shm"),
+    "TP pod with a disk /dev/shm": (lambda d: _worker(d, 0)["template"]["spec"]["volumes"][-1]["emptyDir"].pop("medium"),
+                                    rules.shm_problems, "without a memory-backed /dev/shm"),
 }
 
 

@@ -90,3 +90,30 @@ def test_overload_is_refused_counted_and_bounded(served, tmp_path):
     assert {r["replicas"] for r in res.timeline} == {1}
     assert res.warnings == [] and res.files["png"].is_file()
     assert "locust" not in sys.modules and "gevent" not in sys.modules
+
+
+def test_chat_and_plain_openai_stages_against_the_local_cluster(served, tmp_path):
+    """The same chat load with specserve's fields and as plain OpenAI requests (``openai: true``: what another
+    server is sent), both answered by the local cluster: every request counted with its tokens."""
+    cfg, _ = served
+    t = _target(cfg)
+    spec = tmp_path / "ab.yaml"
+    spec.write_text(f"""
+request: {{protocol: http, endpoint: chat, max_new_tokens: 6, temperature: 0, ignore_eos: true}}
+stages:
+  - {{c: 2, duration: 120s, max_requests: 4}}
+  - {{c: 2, duration: 120s, max_requests: 4, request: {{openai: true, model: {cfg.cluster.app_name}}}}}
+  - {{c: 2, duration: 120s, max_requests: 4, request: {{openai: true, model: {cfg.cluster.app_name}, stream: false}}}}
+  - {{c: 1, duration: 120s, max_requests: 2, request: {{protocol: grpc}}}}
+""")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cluster.cli.main", "loadtest", "--config", "configs/tiny.yaml", "--grpc", t.grpc,
+           "--http", t.http + "/v1", "--app", t.app, "--prompts", "4", "--spec", str(spec), "--out", str(out),
+           "--no-progress", "--no-plot", "--fail-on-error"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    data = json.loads((out / "loadtest.json").read_text())
+    assert data["failures"] == {}
+    assert len(data["requests"]) == 14
+    for r in data["requests"]:
+        assert r["status"] == "OK" and r["out"] == 6, r

@@ -119,3 +119,31 @@ def test_request_overrides_are_checked():
     assert request_spec({"stream": "false", "seed": 5}).stream is False
     with pytest.raises(ParamError, match=r"invalid request.strategy: 'no such!'"):
         request_spec({"strategy": "no such!"})
+
+
+def test_chat_and_plain_openai_requests():
+    r = request_spec({"protocol": "http", "endpoint": "chat", "openai": "true", "model": "other-llm"})
+    assert (r.endpoint, r.openai, r.model) == ("chat", True, "other-llm")
+    for data, name in (({"endpoint": "responses"}, "request.endpoint"), ({"model": ""}, "request.model"),
+                       ({"openai": True}, "request.protocol"),                     # gRPC is specserve's own
+                       ({"protocol": "http", "openai": True, "strategy": "mag"}, "request.strategy"),
+                       ({"protocol": "http", "openai": True, "options": {"k": 2}}, "request.options")):
+        with pytest.raises(ParamError) as e:
+            request_spec(data)
+        assert e.value.name == name, (data, str(e.value))
+
+
+def test_plain_openai_body_has_no_specserve_field():
+    from cluster.loadtest.clients import Caller, Target
+    t = Target(grpc=None, http="http://127.0.0.1:1/v1")
+    plain = Caller(t, request_spec({"protocol": "http", "endpoint": "chat", "openai": True, "model": "m",
+                                    "temperature": 0, "seed": 1}))
+    assert plain.url == "http://127.0.0.1:1/v1/chat/completions"           # an OpenAI base URL, /v1 once
+    kw = dict(max_new_tokens=5, temperature=0.0, top_p=None, seed=1, strategy=None, options={}, ignore_eos=False)
+    assert plain._body("hi", kw) == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+                                     "model": "m", "temperature": 0.0, "seed": 1,
+                                     "stream_options": {"include_usage": True}}
+    ours = Caller(Target(grpc=None, http="http://127.0.0.1:1"), request_spec({"protocol": "http"}))
+    assert ours.url == "http://127.0.0.1:1/v1/completions"
+    body = ours._body("hi", {**kw, "strategy": "mag", "options": {"k": "2"}})
+    assert body["prompt"] == "hi" and body["strategy"] == "mag" and body["options"] == {"k": "2"}

@@ -33,6 +33,8 @@ def test_family_template_is_written_once_and_read_by_transformers(tmp_path):
     assert sorted(p.parent.name for p in written) == ["target", "tokenizer"]
     assert (tmp_path / "target" / TEMPLATE_FILE).read_text() == CODE_CHAT_TEMPLATE
     assert ensure_chat_template(tmp_path) == []             # already there: nothing rewritten
+    (tmp_path / "target" / TEMPLATE_FILE).write_text("{{ messages[0]['content'] }}")   # an older version
+    assert [p.parent.name for p in ensure_chat_template(tmp_path)] == ["target"]
     tok = HFTokenizer(tmp_path / "target")
     assert render_chat(tok, MESSAGES) == render_chat(ByteTokenizer(), MESSAGES)   # through apply_chat_template
 
@@ -64,3 +66,38 @@ def test_a_template_that_refuses_a_conversation_is_a_param_error(tmp_path):
         render_chat(tok, [{"role": "assistant", "content": "a"}])
     assert e.value.name == "messages" and "first message must be the user" in str(e.value)
     assert render_chat(SimpleNamespace(tok=tok.tok), [{"role": "user", "content": "b"}]) == "x"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+LOOP = [{"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}], "refusal": None},   # an SDK's null extra
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def test_code_template_renders_a_tool_loop_through_transformers_too(tmp_path):
+    """The family's template: tools listed, the assistant's call as the <tool_call> block the model writes (the
+    hermes format), the tool's result as a message; the same through apply_chat_template(tools=...)."""
+    text = render_chat(ByteTokenizer(), LOOP, tools=TOOLS)
+    assert text == ('# available tool: {"name": "get_weather", "parameters": {"type": "object", "properties": '
+                    '{"city": {"type": "string"}}, "required": ["city"]}}\n'
+                    '# call a tool with <tool_call>, a JSON object {"name", "arguments"}, </tool_call>\n'
+                    '# user: weather in Paris?\n# assistant:\n<tool_call>\n'
+                    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n# tool: sunny\n'
+                    '# assistant:\n')
+    write_word_tokenizer(tmp_path / "tok", 16)
+    ensure_chat_template(tmp_path)
+    assert render_chat(HFTokenizer(tmp_path / "tok"), LOOP, tools=TOOLS) == text
+
+
+@pytest.mark.parametrize("messages,words", [
+    ([{"role": "tool", "content": "x"}], ["tool_call_id"]),
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "not json"}}]}],
+     ["arguments"]),
+    ([{"role": "user", "content": "x", "audio": {"id": "a"}}], ["message 0"]),     # a non-null unknown key
+])
+def test_bad_tool_messages_name_messages(messages, words):
+    with pytest.raises(ParamError) as e:
+        render_chat(ByteTokenizer(), messages)
+    assert e.value.name == "messages" and all(w in str(e.value) for w in words)

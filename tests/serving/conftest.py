@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.built import engine_for
 from tests.support.fake_coordinator import http_app
 
 
@@ -16,3 +17,20 @@ def pytest_configure(config):
 def app(tiny_engine):
     """The replica's HTTP app over the in-process tiny engine (no Ray), and its deployment stand-in."""
     return http_app(tiny_engine)
+
+
+@pytest.fixture(scope="module")
+def sdk(served):
+    """(config, the official ``openai`` SDK's client) against the served cluster's HTTP port."""
+    openai = pytest.importorskip("openai")
+    cfg, _ = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.cluster.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    yield cfg, client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def served_engine(served):
+    """The in-process engine of the served cluster's config (its Max-Gram drafter included), to compare with."""
+    return engine_for(served[0])

@@ -152,7 +152,7 @@ def dep(monkeypatch):
     cfg = load_config("configs/tiny.yaml")
     d = object.__new__(app_mod.SpecServeDeployment)
     d.cfg, d.keys, d.coord = cfg, Keys(API, OP), FakeCoordinator(cfg)
-    monkeypatch.setattr(app_mod, "result_to_proto", lambda r: pb.GenerateResponse(text=r))
+    monkeypatch.setattr(app_mod, "result_to_proto", lambda r, *_: pb.GenerateResponse(text=r))
     return d
 
 

@@ -97,3 +97,40 @@ def test_model_without_a_chat_template_is_400_naming_messages(tiny_engine):
     err = r.json()["error"]
     assert r.status == 400 and err["param"] == "messages" and "chat template" in err["message"]
     assert dep.coord.metrics.records[-1][1] == "invalid"
+
+
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}}}]
+
+
+def test_tool_call_wire_shapes_whole_and_streamed(app):
+    """OpenAI's (and vLLM's) shapes: message.tool_calls with content null, finish_reason tool_calls; streamed, one
+    delta.tool_calls entry per call with index, id, type and the function's name and arguments."""
+    a, _ = app
+    body = {**BASE, "ignore_eos": False, "max_tokens": 80, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False}
+    choice = _post(a, body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and set(choice["message"]) == {"role", "content", "tool_calls"}
+    assert choice["message"]["content"] is None
+    (call_,) = choice["message"]["tool_calls"]
+    assert set(call_) == {"id", "type", "function"} and call_["type"] == "function" and call_["id"].startswith("call_")
+    assert call_["function"]["name"] == "pick" and json.loads(call_["function"]["arguments"])["n"] in (1, 2, 3)
+    chunks = _post(a, {**body, "stream": True}).sse_chunks()
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas)                # the call's text is never content
+    (streamed,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [{k: v for k, v in s.items() if k != "id"} for s in streamed] == \
+        [{"index": 0, "type": "function", "function": call_["function"]}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_json_schema_answer_and_free_auto(app):
+    a, _ = app
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = _post(a, {**BASE, "ignore_eos": False, "max_tokens": 40, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}}).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(out["choices"][0]["message"]["content"])["ok"], bool)
+    free = _post(a, {**BASE, "tools": TOOLS}).json()["choices"][0]          # auto: a random model calls nothing
+    assert "tool_calls" not in free["message"] and free["message"]["content"]

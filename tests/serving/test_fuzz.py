@@ -149,6 +149,11 @@ def random_fields(draw) -> dict:
     f["options"] = draw(_options())
     f["ignore_eos"] = draw(st.booleans())
     f["request_id"] = draw(st.one_of(st.just(""), _text(20), st.sampled_from(["fuzz\n", "x" * 129, "fuzz-1"])))
+    if draw(st.booleans()):                      # predicted outputs (issue 33): empty, text, too long
+        f["prediction"] = draw(st.one_of(_text(40), st.sampled_from(["", "x" * 40_000])))
+    if draw(st.booleans()):                      # chat template variables: JSON text or not
+        f["chat_template_kwargs"] = draw(st.one_of(_text(30), st.sampled_from(
+            ['{"enable_thinking": false}', "{", "[1]", '{"messages": 1}', "{}"])))
     return f
 
 
@@ -220,7 +225,10 @@ def _http_wide(draw) -> dict:
                                               st.just({"kmatrix": [[2, 10], [0, 10]]}))),
                         ("stream", st.one_of(st.booleans(), _json_values())),
                         ("n", st.sampled_from([1, 2])), ("echo", st.booleans()), ("ignore_eos", st.booleans()),
-                        ("extra", _json_values())):
+                        ("extra", _json_values()),
+                        ("prediction", st.one_of(_json_values(), st.builds(
+                            lambda c: {"type": "content", "content": c}, _json_values()))),
+                        ("chat_template_kwargs", _json_values())):
         if draw(st.integers(0, 2)) == 0:
             body[key] = draw(values)
     return body
@@ -399,6 +407,11 @@ def test_fuzz_named_cases(served):
         (dict(prompt_ids=[1] * 300_000, max_new_tokens=2), ["prompt", "at most 1022 tokens", "300000 tokens"]),
         (dict(prompt="hi", max_new_tokens=2, stop=["a"] * 9), ["stop", f"at most {MAX_STOP_STRINGS}", "9"]),
         (dict(prompt="hi", max_new_tokens=2, request_id="r" * 129), ["request_id", "1 to 128", "rrr"]),
+        (dict(prompt="hi", max_new_tokens=2, prediction=""), ["prediction", "1 to"]),
+        (dict(prompt="hi", max_new_tokens=2, prediction="x" * 40_000), ["prediction", "40000 characters"]),
+        (dict(messages=[{"role": "user", "content": "hi"}], max_new_tokens=2,
+              chat_template_kwargs={"enable_thinking": False}), ["chat_template_kwargs", "enable_thinking"]),
+        (dict(prompt="hi", max_new_tokens=2, chat_template_kwargs={"k": 1}), ["chat_template_kwargs", "messages"]),
     ]
     for kw, words in grpc_cases:
         with pytest.raises(grpc.RpcError) as e:
@@ -421,6 +434,11 @@ def test_fuzz_named_cases(served):
         (b'{"prompt": "hi", "max_tokens": 2, "seed": "\xc2\xb2"}', "seed", ["integer"]),
         (b'{"prompt": "hi", "max_tokens": 2, "temperature": 1' + b"0" * 400 + b"}", "temperature", ["number"]),
         (json.dumps({"prompt": "x" * (MAX_MESSAGE_BYTES + 1)}).encode(), "body", [str(MAX_MESSAGE_BYTES)]),
+        (b'{"prompt": "hi", "max_tokens": 2, "prediction": {"type": "content", "content": 3}}', "prediction",
+         ["type", "content"]),
+        (b'{"prompt": "hi", "max_tokens": 2, "prediction": "hi"}', "prediction", ["content"]),
+        (b'{"prompt": "hi", "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": false}}',
+         "chat_template_kwargs", ["not supported"]),
     ]
     for data, param, words in http_cases:
         status, text = _http_call(cfg, "/v1/completions", data)

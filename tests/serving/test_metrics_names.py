@@ -87,3 +87,17 @@ def test_metrics_record_observes_the_phases_and_every_gap():
     m.record("speculative", "ok", GenerationResult([1] * 5, "", "length", st, 0, "r"), 0.6, timeline=t)
     assert sorted(seen) == sorted([("itl", 0.3), ("itl", 0.1), ("queue", 0.1), ("prefill", pytest.approx(0.1)),
                                    ("decode", pytest.approx(0.4)), ("inference", pytest.approx(0.5))])
+
+
+def test_per_request_acceptance_rate_histogram():
+    """One observation per request that drafted: its accepted / drafted share (none for a request without drafts)."""
+    from cluster.core.stats import RequestStats
+    from cluster.engine.request import GenerationResult
+    from cluster.serving.metrics import Metrics
+    m = Metrics("m")
+    seen = []
+    m.acceptance.observe = lambda v, tags: seen.append((v, tags["strategy"]))
+    for strategy, drafted, accepted in (("mag", 8, 6), ("speculative", 4, 0), ("autoregressive", 0, 0)):
+        st = RequestStats(strategy=strategy, generated_tokens=3, drafted_tokens=drafted, accepted_tokens=accepted)
+        m.record(strategy, "ok", GenerationResult([1] * 3, "", "length", st, 0, "r"), 0.1)
+    assert seen == [(0.75, "mag"), (0.0, "speculative")]

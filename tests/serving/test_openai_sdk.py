@@ -13,14 +13,6 @@ MESSAGES = [{"role": "user", "content": "def fib(n):"}]
 GREEDY = dict(temperature=0, seed=5, extra_body={"ignore_eos": True})     # the tiny model is random
 
 
-@pytest.fixture(scope="module")
-def sdk(served):
-    cfg, _ = served
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.cluster.http_port}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    yield cfg, client
-    client.close()
-
 
 def test_sdk_chat_plain_and_streamed(sdk):
     cfg, client = sdk
@@ -66,3 +58,27 @@ def test_cli_client_chat(served, capsys):
     rc = main(["client", "--address", f"127.0.0.1:{cfg.cluster.grpc_port}", "--app", cfg.cluster.app_name,
                "--chat", "x", "--logprobs", "99"])
     assert rc == 2 and "invalid logprobs" in capsys.readouterr().err
+
+
+def test_sdk_predicted_output_edit(sdk, served):
+    """A predicted-output edit as the README shows it: the SDK's own ``prediction`` parameter, its usage details,
+    the answer unchanged by the prediction (greedy), vLLM's speculative metrics read from the raw body; and the
+    same prediction over gRPC."""
+    cfg, client = sdk
+    code = "def add(a, b):\n    return a + b\n"
+    messages = [{"role": "user", "content": "Rename add to plus:\n" + code}]
+    plain = client.chat.completions.create(model=cfg.cluster.app_name, messages=messages, max_completion_tokens=12,
+                                           **GREEDY)
+    r = client.chat.completions.with_raw_response.create(
+        model=cfg.cluster.app_name, messages=messages, max_completion_tokens=12,
+        prediction={"type": "content", "content": code}, **GREEDY)
+    parsed, body = r.parse(), json.loads(r.text)
+    assert parsed.choices[0].message.content == plain.choices[0].message.content
+    details = parsed.usage.completion_tokens_details
+    st = body["specserve"]["stats"]
+    assert details.accepted_prediction_tokens == st["prediction_accepted"]
+    assert details.rejected_prediction_tokens == st["prediction_drafted"] - st["prediction_accepted"] > 0
+    assert body["metrics"]["speculative_decoding"]["num_drafts"] == st["steps"]
+    _, c = served
+    g = c.generate(messages=messages, max_new_tokens=12, temperature=0.0, seed=5, ignore_eos=True, prediction=code)
+    assert g.text == plain.choices[0].message.content and g.stats.prediction_drafted == st["prediction_drafted"]

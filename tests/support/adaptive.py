@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.core.constraint import mask_logits
 from cluster.core.draft_stop import DraftStop
 from cluster.core.sampling import logits_to_probs, sample
 from tests.support.exact import TabularModel
@@ -23,8 +24,11 @@ class AdaptiveTabular(TabularModel):
     def propose_adaptive(self, rid, k_max, head, threshold, eos=None):
         rule = DraftStop(threshold, k_max, eos)
         seq, out, logits = self.seqs[rid], [], []
+        constraint = getattr(self.sampling[rid], "constraint", None)
         while k_max > 0:
             lg = self.logits(seq)
+            if constraint is not None:          # a grammar's law, as the worker samples it (core/constraint.py)
+                lg = mask_logits(lg, constraint.allowed(seq))
             tok = sample(logits_to_probs(lg, self.sampling[rid]), self.rng)
             seq.append(tok)
             out.append(tok)

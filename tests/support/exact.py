@@ -105,10 +105,14 @@ class TabularModel(PerRequestHandle):
         self.seqs[rid], self.sampling[rid] = list(ids), sampling
 
     def propose(self, rid, k):
+        from cluster.core.constraint import mask_logits
         from cluster.core.sampling import logits_to_probs, sample
         seq, out, logits = self.seqs[rid], [], []
+        constraint = getattr(self.sampling[rid], "constraint", None)
         for _ in range(k):
             lg = self.logits(seq)
+            if constraint is not None:          # a grammar's law, as the worker samples it (core/constraint.py)
+                lg = mask_logits(lg, constraint.allowed(seq))
             tok = sample(logits_to_probs(lg, self.sampling[rid]), self.rng)
             seq.append(tok)
             out.append(tok)
