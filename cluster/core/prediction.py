@@ -42,8 +42,9 @@ class Prediction:
         return len(self.ids)
 
     def match(self, generated: Sequence[int]) -> int | None:
-        """The prediction position from which to copy, given the tokens ``generated`` so far (None: no suffix
-        of at least ``min_match`` tokens occurs in the prediction with a token after it)."""
+        """The prediction position from which to copy, given the tokens ``generated`` so far (or their last
+        ``max_ngram`` at least; None: no suffix of at least ``min_match`` tokens occurs in the prediction with a
+        token after it)."""
         if not generated:
             return 0 if self.ids else None
         table, gen = self.index.table, list(generated[-self.index.max_ngram:])
@@ -64,7 +65,8 @@ class Prediction:
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         """At most ``min(limit, k)`` tokens copied from the prediction after the matched suffix of the sequence
         ``tokens`` (prompt + generated; only the generated part is matched) ([]: none)."""
-        start = self.match(tokens[self.offset:]) if limit > 0 else None
+        tail = tokens[max(self.offset, len(tokens) - self.index.max_ngram):]     # all a match can use
+        start = self.match(tail) if limit > 0 else None
         if start is None:
             return []
         out = self.ids[start:start + min(limit, self.k)]

@@ -69,6 +69,9 @@ class ChatFormat(ResponseFormat):
         super().__init__(model, req, tokenizer, include_usage=usage, continuous_usage=continuous)
         s = m._structured
         self.tools = ToolStream(s.fmt) if s is not None and s.reads_calls else None     # None: content only
+        # finish_reason "tool_calls" as vLLM sets it: calls read in auto mode or forced by required; a named
+        # function's call finishes with "stop" (as OpenAI's and vLLM's forced named calls do)
+        self.call_finish = "stop" if s is not None and s.choice == "function" else "tool_calls"
 
     def _logprobs(self, entries) -> dict | None:
         return None if entries is None or self.req.logprobs is None else chat_logprobs(self.tokenizer, entries)
@@ -78,7 +81,7 @@ class ChatFormat(ResponseFormat):
         content, calls = self.tools.fmt.parse(r.text) if self.tools is not None else (r.text, [])
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": tool_call_objects(calls)}
-            finish = "tool_calls" if finish != "length" else finish
+            finish = self.call_finish if finish != "length" else finish
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(r.logprobs), "finish_reason": finish}
         return self.finished(self.envelope([choice], chunk=False, usage=self.usage(len(r.token_ids), r.stats)), r)
 
@@ -95,7 +98,7 @@ class ChatFormat(ResponseFormat):
                 text += rest
                 if calls:
                     delta["tool_calls"] = tool_call_objects(calls, streamed=True)
-                    finish = "tool_calls" if finish != "length" else finish
+                    finish = self.call_finish if finish != "length" else finish
         if text:
             delta = {"content": text, **delta}
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(chunk.logprobs), "finish_reason": finish}
