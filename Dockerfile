@@ -53,7 +53,7 @@ RUN pip install --no-cache-dir . \
 
 # Optional: train the embedded model family (seeded: every pod of this image gets the same models) and
 # build its Max-Gram bigram table into $SPECSERVE_CACHE, so configs/k8s-cpu.yaml serves without a volume.
-# Takes ~13 min on 2 quiet cores. The last command also generates 8 tokens through it as a smoke test.
+# Takes ~10 min on 2 quiet cores. The last command also generates 8 tokens through it as a smoke test.
 RUN if [ "${BUILD_FAMILY}" = "true" ]; then \
         specserve zoo build \
         && specserve generate --config configs/k8s-cpu.yaml --prompt "import os" --max-new-tokens 8; \

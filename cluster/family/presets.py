@@ -118,11 +118,11 @@ PRESETS: dict[str, ZooConfig] = {
         distill_steps=1000,
         distill_batch=4,
         distill_lr=2e-3,
-        # v3: the last 600 target steps and every distillation step add 2 rows of instruction pairs (4,745
-        # pairs): 11/16 greedy chat answers to held-out requests parse (v2: 0/16), agreement 0.779 / 0.568
-        # (v2: 0.785 / 0.567); about 3 min more than v2 on quiet cores (estimated from v2's phase times).
+        # v3: the last 900 target steps and every distillation step add 2 rows of instruction pairs (4,745
+        # pairs): 12/16 greedy chat answers to held-out requests parse (600 steps: 11/16; v2: 0/16); results and
+        # build time in README.md, "v3: a family that can chat"
         instruct_rows=2,
-        instruct_steps=600,
+        instruct_steps=900,
     ),
     # seconds; for tests and smoke runs only (models are essentially untrained).
     "tiny": ZooConfig(
