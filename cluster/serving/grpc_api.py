@@ -94,12 +94,12 @@ def _message(x: pb.ChatMessage) -> dict:
     return out
 
 
-def _json(name: str, text: str):
-    """A JSON-text field (None when empty)."""
+def _json(name: str, text: str, allowed: str = "JSON text"):
+    """A JSON-text field (None when empty); ``allowed`` is what the error says the field takes."""
     try:
         return json.loads(text) if text else None
     except ValueError:
-        raise ParamError(name, "JSON text", text) from None
+        raise ParamError(name, allowed, text) from None
 
 
 OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "prediction")
@@ -107,15 +107,9 @@ OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs
 
 def template_kwargs_json(text: str) -> dict | None:
     """``chat_template_kwargs`` from its JSON text ("" = none)."""
-    if not text:
-        return None
     if len(text) > MAX_TEMPLATE_KWARGS_BYTES:
         raise ParamError("chat_template_kwargs", TEMPLATE_KWARGS_ALLOWED, f"{len(text)} characters")
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise ParamError("chat_template_kwargs", "a JSON object: " + TEMPLATE_KWARGS_ALLOWED, text) from None
-    return template_kwargs(value)
+    return template_kwargs(_json("chat_template_kwargs", text, "a JSON object: " + TEMPLATE_KWARGS_ALLOWED))
 
 
 # -- responses -------------------------------------------------------------------------------------
