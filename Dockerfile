@@ -49,7 +49,7 @@ COPY --chown=1000:100 configs ./configs
 # site-packages (-P: not from /app) that what Serve imports (serveConfigV2's import_path,
 # grpc_servicer_functions) imports.
 RUN pip install --no-cache-dir . \
-    && python -P -c "import cluster.serving.app, protos.guard, protos.specserve_pb2_grpc"
+    && python -P -c "import cluster.serving.fronts.app, protos.guard, protos.specserve_pb2_grpc"
 
 # Optional: train the embedded model family (seeded: every pod of this image gets the same models) and
 # build its Max-Gram bigram table into $SPECSERVE_CACHE, so configs/k8s-cpu.yaml serves without a volume.

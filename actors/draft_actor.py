@@ -1,5 +1,5 @@
 """The draft-group actor: every drafter of a serving unit (and the Max-Gram drafter) in one Ray actor, behind
-the draft side (:class:`cluster.core.draft_side.DraftSide`).
+the draft side (:class:`cluster.core.draft.side.DraftSide`).
 
 Why one actor for all drafters (docs/cluster.md, "The draft side"): a CS Drafting step makes ~8 dependent
 drafter calls (a larger drafter reviews what the smaller ones and Max-Gram drafted); with one actor per
@@ -22,7 +22,7 @@ import torch
 
 from actors.model_actor import MAX_RESTARTS
 from actors.protocol import StepCall, apply
-from cluster.core.draft_side import DraftSide
+from cluster.core.draft.side import DraftSide
 from cluster.models.build import build_handle
 
 

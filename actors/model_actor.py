@@ -1,6 +1,6 @@
 """A Ray actor hosting one model handle (from :func:`cluster.models.build.build_handle`).
 
-The serving unit talks to it through :class:`cluster.serving.remote.RemoteHandle`: one ``step`` call per
+The serving unit talks to it through :class:`cluster.serving.control.remote.RemoteHandle`: one ``step`` call per
 engine step carries the queued bookkeeping and one batched method for all of the step's requests
 (:mod:`actors.protocol`).  Per-step calls are plain Ray actor calls (about 1 ms round trip on the
 2-core development machine).  Ray Compiled Graphs cut that to ~0.1 ms, but their actor-side reader

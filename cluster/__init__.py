@@ -13,6 +13,6 @@ __all__ = ["Engine", "GenerationRequest", "GenerationResult", "SamplingParams", 
 
 def __getattr__(name: str):
     if name == "SpecServeClient":           # grpc is a heavy dependency: import it only when asked for
-        from cluster.serving.client import SpecServeClient
+        from cluster.serving.client.sdk import SpecServeClient
         return SpecServeClient
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

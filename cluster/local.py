@@ -1,6 +1,6 @@
 """The in-process runtime: config -> model handles -> engine (CLI, tests, benchmarks).
 
-One of the two composition roots (the other is :mod:`cluster.serving.unit`, on Ray).
+One of the two composition roots (the other is :mod:`cluster.serving.control.unit`, on Ray).
 """
 from __future__ import annotations
 

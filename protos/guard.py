@@ -73,7 +73,7 @@ class _Captured:
 _PUMPED = "_specserve_pumped"
 
 
-# Our handlers answer INTERNAL only with this text (cluster.serving.app).  Any other INTERNAL comes from Serve's
+# Our handlers answer INTERNAL only with this text (cluster.serving.fronts.app).  Any other INTERNAL comes from Serve's
 # proxy itself: the replica's actor died or restarted (Ray's message names its pid and node address).
 INTERNAL_DETAILS = "internal error (details in the server log)"
 REPLICA_LOST = "the serving replica failed or restarted; retry the request"

@@ -8,7 +8,7 @@ Ray Serve 2.60 has no public hook for three things the gRPC front does:
   ``service_handler_factory`` (``gRPCGenericServer``) so a cancel always lands where Serve handles it, and a
   lost replica answers ``UNAVAILABLE`` instead of ``INTERNAL`` with Ray's text;
 * **the gRPC listen address and TLS** -- ``gRPCOptions`` has a port but no host and no credentials;
-  :func:`replace_grpc_binding` (run by :mod:`cluster.serving.bind_hook` in every worker process of a
+  :func:`replace_grpc_binding` (run by :mod:`cluster.serving.ops.bind_hook` in every worker process of a
   ``specserve up`` job) replaces ``ray.serve._private.default_impl.add_grpc_address``;
 * **replicas' internal gRPC server address** -- ``ray.serve._private.replica.add_port_to_grpc_server``,
   from ``[::]:0`` to the node's address, replaced by the same hook.

@@ -31,8 +31,8 @@ def served():
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from cluster.serving.app import start_serve
-    from cluster.serving.client import SpecServeClient
+    from cluster.serving.fronts.app import start_serve
+    from cluster.serving.client.sdk import SpecServeClient
     cfg = load_config("configs/tiny.yaml")
     cfg = dataclasses.replace(cfg, mag=MagSpec(), cluster=dataclasses.replace(cfg.cluster, grpc_port=_free_port(),
                                                                               http_port=_free_port()))

@@ -27,13 +27,19 @@ ALLOWED = {
     "models": {"core", "errors", "config"},
     "local": {"engine", "models", "config", "core", "errors"},
     "actors": {"models", "config", "core", "errors"},
-    "serving": {"actors", "engine", "strategies", "models", "config", "core", "errors", "protos"},
+    # serving/ is four rooms by concern; fronts -> control -> ops, and the client stands alone (no Ray)
+    "serving.ops": {"strategies", "config", "errors", "protos"},
+    "serving.control": {"serving.ops", "actors", "engine", "strategies", "models", "config", "core", "errors"},
+    "serving.fronts": {"serving.control", "serving.ops", "engine", "strategies", "models", "config", "core", "errors",
+                       "protos"},
+    "serving.client": {"errors", "protos"},
     "family": {"models", "core", "config", "errors"},
-    "bench": {"local", "serving", "engine", "strategies", "models", "family", "config", "core", "errors"},
-    "loadtest": {"serving", "family", "models", "config", "errors"},   # serving.client only; locust in worker.py
-    "cli": {"bench", "loadtest", "local", "serving", "engine", "strategies", "models", "family", "config", "core",
-            "errors", "actors", "protos"},
-    "face": {"engine", "config", "core", "errors", "serving"},          # cluster/__init__.py
+    "bench": {"local", "serving.fronts", "serving.control", "serving.ops", "serving.client", "engine", "strategies",
+              "models", "family", "config", "core", "errors"},
+    "loadtest": {"serving.client", "family", "models", "config", "errors"},   # locust in worker.py only
+    "cli": {"bench", "loadtest", "local", "serving.fronts", "serving.control", "serving.ops", "serving.client",
+            "engine", "strategies", "models", "family", "config", "core", "errors", "actors", "protos"},
+    "face": {"engine", "config", "core", "errors", "serving.client"},          # cluster/__init__.py
     "protos": set(),
 }
 # Dependencies that may be imported inside functions, so modules that do not need them load without.
@@ -43,7 +49,7 @@ HEAVY = {"ray", "grpc", "grpc_health", "matplotlib", "transformers", "tokenizers
 
 
 # cluster/__init__ hands out the gRPC client on first use, so `import cluster` needs no grpc.
-LAZY_FACE = {("cluster", "cluster.serving.client"), ("cluster", "cluster.serving.client.SpecServeClient")}
+LAZY_FACE = {("cluster", "cluster.serving.client.sdk"), ("cluster", "cluster.serving.client.sdk.SpecServeClient")}
 
 
 def module_name(path: Path) -> str:
@@ -57,6 +63,8 @@ def room(mod: str) -> str:
         return parts[0]
     if len(parts) == 1:
         return "face"
+    if parts[1] == "serving" and len(parts) > 2:           # serving/'s four rooms
+        return f"serving.{parts[2]}"
     return {"local": "local", "errors": "errors"}.get(parts[1], parts[1])
 
 
@@ -208,7 +216,8 @@ def _py_files(directory: Path) -> set[str]:
 
 def test_architecture_names_every_room_and_module_there_is():
     rooms = _documented_rooms()
-    on_disk = {f"{p.name}/" for p in (ROOT / "cluster").iterdir() if p.is_dir() and _py_files(p)}
+    on_disk = {f"{p.relative_to(ROOT / 'cluster')}/" for p in (ROOT / "cluster").rglob("*")   # sub-rooms too
+               if p.is_dir() and _py_files(p)}
     on_disk |= {p.name for p in (ROOT / "cluster").glob("*.py")} - {"__init__.py"}
     assert set(rooms) == on_disk, f"rooms the page lacks: {on_disk - set(rooms)}; " \
                                   f"rooms that do not exist: {set(rooms) - on_disk}"
@@ -299,7 +308,7 @@ def test_the_composition_roots_are_the_modules_that_assemble_a_model_set():
                            flags=re.M))
     assembling = {str(p.relative_to(ROOT / "cluster")) for p in (ROOT / "cluster").rglob("*.py")
                   if re.search(r"\bModelSet(\.assemble)?\(", p.read_text()) and p.name != "model_set.py"}
-    assert named == assembling == {"local.py", "serving/unit.py"}, (named, assembling)
+    assert named == assembling == {"local.py", "serving/control/unit.py"}, (named, assembling)
 
 
 def test_algorithm_docstrings_carry_no_run_numbers():

@@ -4,13 +4,13 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cascades, cluster, cs, edit, grammar, load, main, served, transport, verify
+from cluster.bench import cluster, cs, edit, grammar, load, main, served, spec_cascades, transport, verify
 
 SUITES = {
     "main": main.run,
     "cluster": cluster.run,
     "verify": verify.run_verify,
-    "cascades": cascades.run_cascades,
+    "cascades": spec_cascades.run_cascades,
     "cs": cs.run,
     "load": load.run,
     "served": served.run,

@@ -24,7 +24,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
-from cluster.serving.coordinator import Coordinator
+from cluster.serving.control.coordinator import Coordinator
 from cluster.strategies import REGISTRY
 
 LAYOUTS = ("separated", "colocated")

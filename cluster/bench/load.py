@@ -32,7 +32,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
-from cluster.serving.coordinator import Coordinator
+from cluster.serving.control.coordinator import Coordinator
 
 LEVELS = (1, 2, 4, 8, 16, 32)
 RUNTIMES = ("in-process", "cluster")

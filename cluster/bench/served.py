@@ -2,7 +2,7 @@
 unary and streamed side by side, in both topologies.
 
 The suite starts its own cluster: a local Ray (unless the caller already started one) and the Serve
-application of the config (:func:`cluster.serving.app.start_serve`) once per topology (``--topologies``,
+application of the config (:func:`cluster.serving.fronts.app.start_serve`) once per topology (``--topologies``,
 default ``separated,colocated``: ``cluster.topology`` forced to each in turn) with the gRPC/HTTP proxies on free
 127.0.0.1 ports; it waits for the health service to say SERVING and shuts Serve (and the Ray it started) down
 at the end, on errors and Ctrl-C too.  All traffic goes to 127.0.0.1.
@@ -45,8 +45,8 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
-from cluster.serving.app import start_serve
-from cluster.serving.client import SpecServeClient
+from cluster.serving.fronts.app import start_serve
+from cluster.serving.client.sdk import SpecServeClient
 
 ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
         "cs_load_aware")

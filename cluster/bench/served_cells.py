@@ -11,7 +11,7 @@ from cluster.bench.report import Timed
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 
 
 @dataclass

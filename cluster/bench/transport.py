@@ -1,5 +1,5 @@
 """``specserve bench --suite transport``: what a per-step call to another process costs through Ray, as a plain
-actor call (what :mod:`cluster.serving.remote` uses) and as a Ray Compiled Graph (``experimental_compile``,
+actor call (what :mod:`cluster.serving.control.remote` uses) and as a Ray Compiled Graph (``experimental_compile``,
 shared-memory channels; what vLLM's Ray executor uses between pipeline stages).
 
 Per transport and payload (32 B: a greedy draft block of 4; 64 KiB: one row of k = 4 float32 logits at

@@ -10,10 +10,10 @@ import time
 from cluster.cli.common import load_built_config
 from cluster.config.layout import check_host
 from cluster.errors import ConfigError, ParamError, check_float, check_int
-from cluster.serving.app import start_serve
-from cluster.serving.bind_hook import HOOK, hook_env
-from cluster.serving.client import SpecServeClient, main_client
-from cluster.serving.ray_node import load_head, save_head, start_node, token_file, use_token
+from cluster.serving.fronts.app import start_serve
+from cluster.serving.ops.bind_hook import HOOK, hook_env
+from cluster.serving.client.sdk import SpecServeClient, main_client
+from cluster.serving.ops.ray_node import load_head, save_head, start_node, token_file, use_token
 from protos.ray_private import check_startup
 
 

@@ -21,7 +21,7 @@ from cluster.loadtest import (
 from cluster.loadtest.prompts import from_file, heldout
 from cluster.loadtest.report import format_markdown
 from cluster.loadtest.spec import parse_stages, request_spec, stages_from_levels
-from cluster.serving.ray_node import use_token
+from cluster.serving.ops.ray_node import use_token
 
 
 def add_loadtest_command(sub) -> None:

@@ -23,7 +23,7 @@ from cluster.family import build_family
 from cluster.family.cache import load_manifest
 from cluster.family.evaluate import format_summary
 from cluster.local import build_engine
-from cluster.serving.requests import Fields, build_request
+from cluster.serving.fronts.requests import Fields, build_request
 from cluster.strategies import REGISTRY, all_options, check_option_name
 
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def request_from_args(args, cfg):
     """A GenerationRequest from CLI flags over the config's defaults (the one request path,
-    :mod:`cluster.serving.requests`); the strategy and its options are range-checked before any model loads."""
+    :mod:`cluster.serving.fronts.requests`); the strategy and its options are range-checked before any model loads."""
     options = {name: getattr(args, "opt_" + name) for name in all_options()
                if getattr(args, "opt_" + name, None) is not None}
     strategy = args.strategy or cfg.engine.strategy

@@ -16,7 +16,7 @@ import yaml
 
 from cluster.config.schema import config_from_dict
 from cluster.errors import ConfigError
-from cluster.serving.deploy import serve_config
+from cluster.serving.ops.deploy import serve_config
 
 _BLOCK = re.compile(r"^(?P<indent> *)serveConfigV2: \|[^\n]*\n(?P<body>(?:(?P=indent)  [^\n]*\n|[ \t]*\n)*)", re.M)
 

@@ -145,7 +145,7 @@ class StreamSpec:
     """How a streamed response is paced (gRPC ``GenerateStream`` and HTTP server-sent events alike), as vLLM's
     ``--stream-interval``: the first chunk with tokens goes out at once; after it a chunk goes out when it holds
     ``interval_tokens`` tokens or ``interval_ms`` (null: no time bound) have passed since the last one, or the
-    request ends.  Chunks a slow reader has not taken yet are always merged (cluster/serving/chunks.py)."""
+    request ends.  Chunks a slow reader has not taken yet are always merged (cluster/serving/control/chunks.py)."""
 
     interval_tokens: int = 16
     interval_ms: float | None = 250.0

@@ -1,6 +1,6 @@
 """The model calls a step yields, and running a group of them as one batched call on a handle.
 
-A strategy's step (and a draft program, :mod:`cluster.core.drafting`) is a generator that yields these
+A strategy's step (and a draft program, :mod:`cluster.core.draft.programs`) is a generator that yields these
 calls and receives their results.  :func:`drive` is the one loop that runs many of them (the engine's step,
 the draft side's programs): it groups their calls per (model, kind) (:func:`group_calls`), runs each group as
 ONE batched call (:func:`run_group`) and sends each result back into its generator (:func:`advance`).
@@ -44,7 +44,7 @@ class AdaptiveItem(NamedTuple):
 
 class DraftItem(NamedTuple):
     rid: str
-    spec: Any                    # cluster.core.drafting.DraftSpec
+    spec: Any                    # cluster.core.draft.programs.DraftSpec
     limit: int                   # at most this many tokens -> DraftBlock (tokens [L <= limit], q [L, S])
     budget: int                  # tokens the request may still emit this step (bounds a pre-draft)
 
@@ -67,7 +67,7 @@ class Propose:
 @dataclass(frozen=True)
 class ProposeAdaptive:
     """SpecDec++ drafting with ``model``: at most ``k_max`` tokens, stopping by the acceptance ``head``'s
-    rule at ``threshold`` or right after an ``eos`` candidate (:class:`cluster.core.draft_stop.DraftStop`)
+    rule at ``threshold`` or right after an ``eos`` candidate (:class:`cluster.core.draft.stop.DraftStop`)
     -> ``(tokens [K], raw logits [K, V])``."""
 
     model: str
@@ -101,9 +101,9 @@ class Score:
 
 @dataclass(frozen=True)
 class Draft:
-    """Ask the draft side ``model`` for one block of drafts -> :class:`cluster.core.drafting.DraftBlock`.
+    """Ask the draft side ``model`` for one block of drafts -> :class:`cluster.core.draft.programs.DraftBlock`.
 
-    ``spec`` (:class:`cluster.core.drafting.DraftSpec`) says how (one drafter, SpecDec++, or a CS Drafting
+    ``spec`` (:class:`cluster.core.draft.programs.DraftSpec`) says how (one drafter, SpecDec++, or a CS Drafting
     cascade), ``limit`` how many tokens at most, ``budget`` how many the request may still emit this step
     (what the draft side may draft ahead for the next step).  However deep the drafting, it is one call (one
     round trip when the draft side is an actor)."""

@@ -5,8 +5,8 @@ methods with defaults, and declared capabilities (the shape of Ray Serve LLM's `
 handle keeps per-request state keyed by a request id: the token sequence it has seen and a KV cache covering
 all but (at least) the last of those tokens -- the *pending* tokens are fed with the next forward pass.  Every
 method that does work takes one item per request, so one call advances many requests (continuous batching).
-The same interface is served in-process (:mod:`cluster.models`, :mod:`cluster.core.draft_side`) and over Ray
-actors (:mod:`cluster.serving.remote`), so every strategy runs unchanged on both.
+The same interface is served in-process (:mod:`cluster.models`, :mod:`cluster.core.draft.side`) and over Ray
+actors (:mod:`cluster.serving.control.remote`), so every strategy runs unchanged on both.
 
 Item and result shapes (V: vocabulary; every logits tensor is raw, unscaled -- the core applies
 :func:`cluster.core.sampling.logits_to_probs` with the parameters the handle sampled with, so proposal

@@ -1,7 +1,7 @@
 """The finished set of models an engine runs over: the target, the drafters (members) and the draft side.
 
 Both composition roots hand the engine one :class:`ModelSet` (:mod:`cluster.local` in-process,
-:mod:`cluster.serving.unit` on Ray); the engine builds nothing.  In-process the draft side wraps the local
+:mod:`cluster.serving.control.unit` on Ray); the engine builds nothing.  In-process the draft side wraps the local
 drafters (:meth:`ModelSet.assemble`); served it is a remote handle on the draft-group actor, and the members
 are remote handles addressing one drafter each inside it.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from cluster.core.draft_side import DraftSide
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import Rng
 
@@ -19,7 +19,7 @@ from cluster.core.sampling import Rng
 @dataclass(frozen=True)
 class ModelSet:
     """``handles``: name -> handle, holding the ``target``, every drafter, and the draft side under
-    :data:`cluster.core.drafting.DRAFTS` whenever there is a drafter."""
+    :data:`cluster.core.draft.programs.DRAFTS` whenever there is a drafter."""
 
     target: str
     handles: Mapping[str, BatchedHandle]

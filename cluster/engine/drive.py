@@ -1,6 +1,6 @@
 """Driving the engine from the caller's thread, one request or a few at a time (the CLI, tests, benchmarks):
 each call steps the engine itself until its requests end.  On the cluster a step-loop thread drives it
-instead (:class:`cluster.serving.coordinator.Coordinator`)."""
+instead (:class:`cluster.serving.control.coordinator.Coordinator`)."""
 from __future__ import annotations
 
 from typing import Iterator

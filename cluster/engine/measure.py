@@ -1,9 +1,9 @@
 """Forward costs measured through the handles an engine really uses, and the one place that builds its planner.
 
-Both composition roots (:mod:`cluster.local` in-process, :mod:`cluster.serving.coordinator` on Ray) call
+Both composition roots (:mod:`cluster.local` in-process, :mod:`cluster.serving.control.coordinator` on Ray) call
 :func:`build_planner` with the handles they give the engine, so the load-aware planner's prior is priced
 from what a step really pays: in-process forwards there, forwards plus actor round trips (and the queued
-rollbacks each call carries) through :class:`cluster.serving.remote.RemoteHandle`.  Only the handle
+rollbacks each call carries) through :class:`cluster.serving.control.remote.RemoteHandle`.  Only the handle
 protocol is used (:class:`cluster.core.interfaces.BatchedHandle`: ``prefill_batch`` / ``score_batch`` /
 ``rollback`` / ``release``), so this module imports no model code.
 """
@@ -17,7 +17,7 @@ from typing import Mapping
 
 from cluster.core.calls import Draft, PrefillItem, Score, run_group
 from cluster.core.forward_cost import ForwardCost
-from cluster.core.drafting import DRAFTS, DraftSpec
+from cluster.core.draft.programs import DRAFTS, DraftSpec
 from cluster.core.sampling import SamplingParams
 from cluster.engine.planner import Planner
 

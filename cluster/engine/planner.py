@@ -66,7 +66,7 @@ from collections import Counter, deque
 
 from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import Acceptance
 from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, neighbours
 

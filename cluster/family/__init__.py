@@ -13,7 +13,7 @@ from cluster.config.paths import family_cache
 from cluster.config.schema import Config
 from cluster.family.bigram import ensure_bigram
 from cluster.family.build import build_zoo
-from cluster.family.chat import ensure_chat_template
+from cluster.family.template_file import ensure_chat_template
 from cluster.family.heads import build_head
 
 

@@ -3,7 +3,7 @@
 A function whose docstring (or, lacking one, the comment block right above its ``def``) says what it does
 is a request and its answer: the docstring's first paragraph is the user's message, the function without
 its docstring (decorators dropped, dedented) is the assistant's.  Each pair is rendered the way a served
-chat request is (the family's template, :data:`cluster.models.chat.CODE_CHAT_TEMPLATE`, with the
+chat request is (the family's template, :data:`cluster.models.chat_template.CODE_CHAT_TEMPLATE`, with the
 assistant's turn opened), followed by the answer and ``<|endoftext|>``, so the model learns to answer a
 served chat prompt with code and to stop.
 
@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 
 import cluster.family.corpus as corpus
-from cluster.models.chat import CODE_CHAT_TEMPLATE
+from cluster.models.chat_template import CODE_CHAT_TEMPLATE
 
 #: a request's length in characters (first paragraph of the docstring or comment), inclusive bounds
 REQUEST_CHARS = (12, 200)

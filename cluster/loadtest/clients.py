@@ -24,7 +24,7 @@ import grpc
 import requests
 
 from cluster.loadtest.spec import RequestSpec
-from cluster.serving.client import API_KEY_ENV, SpecServeClient
+from cluster.serving.client.sdk import API_KEY_ENV, SpecServeClient
 
 ERROR_CHARS = 200
 

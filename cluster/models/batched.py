@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.core.constraint import mask_logits
-from cluster.core.draft_stop import DraftStop
+from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.sampling import (
     Rng,
@@ -146,7 +146,7 @@ class BatchedHFWorker(BatchedHandle):
     def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
         """SpecDec++ drafting (Huang et al. 2024, Algorithm 1) per row (rid, k_max, head, threshold[, eos]): the
         forward yielding q_i also yields the final hidden state e_{i-1} of candidate i-1, whose predicted
-        acceptance sigmoid(head(e_{i-1})) feeds the row's :class:`cluster.core.draft_stop.DraftStop`
+        acceptance sigmoid(head(e_{i-1})) feeds the row's :class:`cluster.core.draft.stop.DraftStop`
         (threshold, k_max, and a stop right after an EOS candidate)."""
         return self._draft([(rid, k, resolve_head(head), DraftStop(thr, k, eos[0] if eos else None))
                             for rid, k, head, thr, *eos in items])

@@ -1,7 +1,7 @@
 """THE one builder: a config's model spec -> a model handle (and the shared tokenizer).
 
 Used by every runtime: :mod:`cluster.local` (in-process), the Ray actors (:mod:`actors.model_actor`,
-:mod:`actors.tp`, :mod:`actors.draft_actor`) and the serving unit (:mod:`cluster.serving.unit`).  It only
+:mod:`actors.tp`, :mod:`actors.draft_actor`) and the serving unit (:mod:`cluster.serving.control.unit`).  It only
 loads: a missing family or bigram table is a clear :class:`ConfigError` (entry points build them first
 with :func:`cluster.family.ensure_built`).
 

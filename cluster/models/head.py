@@ -1,6 +1,6 @@
 """SpecDec++ acceptance-prediction head (Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive
 Candidate Lengths*): the head's architecture, saving and loading.  Its training is in
-:mod:`cluster.family.heads`, the stopping rule in :mod:`cluster.core.draft_stop`.
+:mod:`cluster.family.heads`, the stopping rule in :mod:`cluster.core.draft.stop`.
 
 The head reads the drafter's final hidden state e_i of a candidate token Y_i and predicts
 P(Y_i accepted | Y_1..Y_{i-1} accepted) = min(1, p(Y_i) / q(Y_i)) (Huang et al. 2024, SpecDec++, eq. 4.1).

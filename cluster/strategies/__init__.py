@@ -1,9 +1,9 @@
 """Decoding strategies, registered by name. Importing this package registers all of them."""
 from cluster.strategies import (  # noqa: F401  importing each strategy module registers it
     autoregressive,
-    cascade,
     cs_drafting,
     mag,
+    spec_cascades,
     specdec_pp,
     speculative,
 )

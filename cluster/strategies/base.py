@@ -24,7 +24,7 @@ import torch
 
 from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
 from cluster.core.constraint import constrain_rows
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.prediction import Prediction

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.core.drafting import DRAFTS, DraftSpec
+from cluster.core.draft.programs import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError, check_float
 from cluster.strategies.base import Option, StepContext, Strategy, register
@@ -174,7 +174,7 @@ class CSDrafting(Strategy):
         return [self.target_name, DRAFTS]
 
     def step(self, ctx: StepContext):
-        """The whole cascade below the target runs on the draft side (:class:`cluster.core.drafting.CSDraftProgram`),
+        """The whole cascade below the target runs on the draft side (:class:`cluster.core.draft.programs.CSDraftProgram`),
         in one call; the target verifies its block as any draft.  A planned k = 0 is a plain decoding step."""
         plain = self.load_aware and ctx.planned_k == 0
         return speculative_step(ctx, self.spec, 0 if plain else ctx.budget - 1, self.verify)

@@ -6,7 +6,7 @@ recovers from p with x removed: exact, at the cost of nothing but the target's f
 """
 from __future__ import annotations
 
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.errors import ParamError
 from cluster.strategies.base import register
 from cluster.strategies.speculative import PLAN, VERIFY, K, Speculative

@@ -5,7 +5,7 @@ The drafter proposes until its acceptance-prediction head (:mod:`cluster.models.
 some candidate is rejected with probability above ``threshold``, at most ``k_max`` tokens; then the
 target verifies as in plain speculative sampling.  Drafting also stops right after an EOS candidate (the
 paper's footnote 1; not for a request that ignores EOS).  The stopping rule
-(:class:`cluster.core.draft_stop.DraftStop`, the one implementation the drafters run) looks only at the
+(:class:`cluster.core.draft.stop.DraftStop`, the one implementation the drafters run) looks only at the
 drafted tokens (a stopping time), so verification stays lossless.  ``threshold = 1`` never stops early
 (but at EOS): fixed k = k_max.
 
@@ -16,8 +16,8 @@ handle by the builder (:mod:`cluster.models.build`).
 """
 from __future__ import annotations
 
-from cluster.core.draft_stop import DEFAULT_THRESHOLD
-from cluster.core.drafting import DRAFTS, DraftSpec
+from cluster.core.draft.stop import DEFAULT_THRESHOLD
+from cluster.core.draft.programs import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError
 from cluster.strategies.base import Option, StepContext, Strategy, register

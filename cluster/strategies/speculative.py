@@ -7,7 +7,7 @@ the draft side (speculative, mag, specdec_pp, cs_drafting): only the :class:`Dra
 """
 from __future__ import annotations
 
-from cluster.core.drafting import DRAFTS, DraftBlock, DraftSpec
+from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.strategies.base import (
     Draft,

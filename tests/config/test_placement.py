@@ -9,7 +9,7 @@ import yaml
 
 from cluster.config.schema import config_from_dict
 from cluster.errors import ConfigError
-from cluster.serving.deploy import deployment_options
+from cluster.serving.ops.deploy import deployment_options
 
 TINY = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny.yaml").read_text())
 

@@ -1,4 +1,4 @@
-"""The draft side (cluster.core.draft_side) and its blocks (cluster.core.drafting): literal packing forms, exact
+"""The draft side (cluster.core.draft.side) and its blocks (cluster.core.draft.programs): literal packing forms, exact
 output laws with pre-drafting (overlap) on, alone and batched, and pre-drafted blocks that are used."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.core.draft_side import DraftSide
-from cluster.core.drafting import DRAFTS, DraftSpec, pack_block
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.programs import DRAFTS, DraftSpec, pack_block
 from cluster.core.sampling import SamplingParams, logits_to_probs
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError

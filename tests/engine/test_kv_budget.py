@@ -15,7 +15,7 @@ from cluster.engine.kv_budget import GIB, derive_kv_budget
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, OverloadedError
 from cluster.models.build import build_handles, load_tokenizer
-from cluster.serving.error_table import classify
+from cluster.serving.ops.error_table import classify
 
 CFG = load_config("configs/tiny.yaml")
 ROOM = 1000          # KV positions the test's memory leaves after the weights

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from cluster.config.schema import load_config
 from cluster.core.interfaces import PerRequestHandle
 from cluster.core.forward_cost import ForwardCost, step_seconds
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import build_planner, forward_cost_grid, measure_costs, planner_rows
 from cluster.engine.request import GenerationRequest

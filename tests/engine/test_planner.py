@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config.schema import load_config
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.forward_cost import ForwardCost, plan_draft_length
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats

@@ -15,7 +15,7 @@ from cluster.family.chateval import parses, speculative_run
 from cluster.family.instruct import chat_prompt, chat_stream, heldout_pairs, pairs_from_source, train_pairs
 from cluster.family.tokenizer import train_tokenizer
 from cluster.family.train import _batches
-from cluster.models.chat import render_chat
+from cluster.models.chat_template import render_chat
 from cluster.models.tokenizer import ByteTokenizer
 
 SOURCE = textwrap.dedent('''\

@@ -165,7 +165,7 @@ def serve_problems(doc: dict, cfg) -> list[str]:
         out.append("http/grpc ports differ from the config's cluster.http_port / grpc_port")
     if grpc_.get("grpc_servicer_functions") != GUARDED_SERVICER_FUNCTIONS:
         out.append(f"grpc_servicer_functions must be {GUARDED_SERVICER_FUNCTIONS}")
-    if app.get("import_path") != "cluster.serving.app:app_builder":
+    if app.get("import_path") != "cluster.serving.fronts.app:app_builder":
         out.append(f"import_path {app.get('import_path')!r}")
     if app.get("route_prefix") != "/":
         out.append(f"route_prefix {app.get('route_prefix')!r}: the probes GET {SERVE_READINESS_PATH}")
@@ -207,7 +207,7 @@ def node_problems(doc: dict) -> list[str]:
 
 def unit_demand(cfg) -> tuple[dict, list[dict]]:
     """Ray resources of one serving unit: the TP group (one STRICT_PACK bundle set, or None) and the other
-    actors, as in cluster/serving/unit.py."""
+    actors, as in cluster/serving/control/unit.py."""
     cl = cfg.cluster
     separated = cl.topology == "separated"
     tp = None
@@ -222,7 +222,7 @@ def unit_demand(cfg) -> tuple[dict, list[dict]]:
 
 
 def role_gpus(cfg) -> dict[str, float]:
-    """GPUs one serving unit asks Ray for, by placement role (cluster/serving/unit.py)."""
+    """GPUs one serving unit asks Ray for, by placement role (cluster/serving/control/unit.py)."""
     cl = cfg.cluster
     on_actors = cl.tp_size > 1 or cl.target_placement == "actor"
     separated = cl.topology == "separated" and bool(cfg.drafters or cfg.mag is not None)

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from cluster.serving.metrics import EXPORTED
+from cluster.serving.ops.metrics import EXPORTED
 from tests.k8s.validators import ROOT, load_docs
 
 (RULE,) = [d for d in load_docs(ROOT / "k8s" / "prometheusrule.yaml") if d["kind"] == "PrometheusRule"]

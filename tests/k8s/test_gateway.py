@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-from cluster.serving.grpc_api import SERVICE
+from cluster.serving.fronts.grpc_api import SERVICE
 from tests.k8s import rules
 from tests.k8s.schemas import SCHEMAS
 from tests.k8s.validators import (ROOT, UpstreamUnavailable, custom_errors, load_docs, upstream_crd_validators,

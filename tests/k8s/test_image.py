@@ -125,7 +125,7 @@ def test_the_image_installs_the_serving_set_only():
     assert any(re.search(r"pip install --no-cache-dir \.(\s|$)", i) for i in installs), installs
     assert not any(".[" in i or "grpcio-tools" in i or "protos.build" in i for i in installs), installs
     block = "; ".join(f"sys.modules[{m!r}] = None" for m in EXTRAS_ONLY)
-    code = f"import sys; {block}; import cluster.serving.app, cluster.cli.main, actors.model_actor"
+    code = f"import sys; {block}; import cluster.serving.fronts.app, cluster.cli.main, actors.model_actor"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
 

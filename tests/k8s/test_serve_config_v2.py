@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from cluster.config.schema import load_config
-from cluster.serving.deploy import serve_config
+from cluster.serving.ops.deploy import serve_config
 from tests.k8s import rules
 from tests.k8s.validators import ROOT, load_docs, serve_config_errors
 
@@ -107,7 +107,7 @@ def test_an_edit_of_the_inline_config_changes_what_serve_deploys():
     from ray.serve._private.build_app import build_app
     from ray.serve._private.utils import import_attr
     args = rules.serve_config(RAYSERVICES["rayservice-cpu.yaml"])["applications"][0]["args"]
-    builder = import_attr("cluster.serving.app:app_builder")
+    builder = import_attr("cluster.serving.fronts.app:app_builder")
     limits = []
     for max_batch in (16, 3):
         edited = copy.deepcopy(args)

@@ -1,5 +1,5 @@
-"""Chat messages rendered with the checkpoint's own template (cluster/models/chat.py) and the embedded
-family's template (cluster/family/chat.py)."""
+"""Chat messages rendered with the checkpoint's own template (cluster/models/chat_template.py) and the embedded
+family's template (cluster/family/template_file.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.errors import ParamError
-from cluster.family.chat import TEMPLATE_FILE, ensure_chat_template
-from cluster.models.chat import CODE_CHAT_TEMPLATE, render_chat
+from cluster.family.template_file import TEMPLATE_FILE, ensure_chat_template
+from cluster.models.chat_template import CODE_CHAT_TEMPLATE, render_chat
 from cluster.models.tokenizer import ByteTokenizer, HFTokenizer
 from tests.support.checkpoints import write_word_tokenizer
 

@@ -1,4 +1,4 @@
-"""API keys (cluster/serving/auth.py) and the deployment's handlers with auth on, without Ray: the handlers
+"""API keys (cluster/serving/ops/auth.py) and the deployment's handlers with auth on, without Ray: the handlers
 are called directly on a SpecServeDeployment built with object.__new__ over a fake coordinator."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from cluster.config.schema import config_from_dict, load_config
 from cluster.errors import ConfigError, ModelUnavailableError, OverloadedError
-from cluster.serving import app as app_mod
-from cluster.serving.auth import (
+from cluster.serving.fronts import app as app_mod
+from cluster.serving.ops.auth import (
     OPERATOR,
     USER,
     Keys,
@@ -23,7 +23,7 @@ from cluster.serving.auth import (
     metadata_token,
     read_key,
 )
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 from protos import specserve_pb2 as pb
 
 API, OP = "user-secret-key", "operator-secret-key"
@@ -212,8 +212,8 @@ def test_server_info_request_ids_only_for_operator(dep):
 
 
 def _http(dep, path, *, key=None, method="GET", body=b""):
-    """One request through the replica's FastAPI app (cluster/serving/http_app.py), in-process."""
-    from cluster.serving.http_app import build_http_app
+    """One request through the replica's FastAPI app (cluster/serving/fronts/http_app.py), in-process."""
+    from cluster.serving.fronts.http_app import build_http_app
     from tests.support.asgi import call
     return call(build_http_app(dep), method, path, body=body,
                 headers={"authorization": f"Bearer {key}"} if key else None)

@@ -39,7 +39,7 @@ def _unit_actors() -> collections.Counter:
 def test_units_scale_up_and_down_under_load_with_no_failures(served, tmp_path):
     from ray import serve
 
-    from cluster.serving.app import build_app
+    from cluster.serving.fronts.app import build_app
     cfg, _ = served
     acfg = load_config(ROOT / "configs" / "tiny-autoscale.yaml")
     before = _unit_actors()

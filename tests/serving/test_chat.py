@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
-from cluster.models.chat import render_chat
+from cluster.models.chat_template import render_chat
 from tests.support.asgi import call
 from tests.support.fake_coordinator import http_app
 

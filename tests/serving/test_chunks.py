@@ -1,4 +1,4 @@
-"""Streamed chunks between the step thread and a request's event loop (cluster/serving/chunks.py): coalescing
+"""Streamed chunks between the step thread and a request's event loop (cluster/serving/control/chunks.py): coalescing
 keeps every token, text piece and logprob in order, the first chunk is never held, the stream interval holds the
 rest by tokens or time, one wake-up per loop per step; and ``cluster.stream`` is validated by field name."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from cluster.config.schema import config_from_dict, load_config
 from cluster.engine.request import GenerationRequest, StreamChunk
 from cluster.errors import ConfigError
-from cluster.serving.chunks import ChunkBox, StepDelivery, merge_chunks, paced
+from cluster.serving.control.chunks import ChunkBox, StepDelivery, merge_chunks, paced
 
 
 class Ended:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cluster.serving.client import SpecServeClient
-from cluster.serving.client_policy import DEFAULT_TIMEOUT_S, channel_options
+from cluster.serving.client.sdk import SpecServeClient
+from cluster.serving.client.policy import DEFAULT_TIMEOUT_S, channel_options
 
 
 def _client(cfg, **kw) -> SpecServeClient:

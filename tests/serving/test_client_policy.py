@@ -1,4 +1,4 @@
-"""The client's gRPC policy (cluster/serving/client_policy.py) against real gRPC servers on loopback: UNAVAILABLE
+"""The client's gRPC policy (cluster/serving/client/policy.py) against real gRPC servers on loopback: UNAVAILABLE
 is retried only while the call has delivered nothing, other codes never; readiness follows health ``Watch``.
 The served cluster's part is in test_client.py."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.serving.client_policy import MAX_ATTEMPTS, channel_options, wait_serving
+from cluster.serving.client.policy import MAX_ATTEMPTS, channel_options, wait_serving
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pbg
 

@@ -1,4 +1,4 @@
-"""``/v1/completions`` logprobs and echo (cluster/serving/completions.py) against the engine's own numbers,
+"""``/v1/completions`` logprobs and echo (cluster/serving/fronts/completions.py) against the engine's own numbers,
 through the replica's HTTP app over the tiny engine."""
 from __future__ import annotations
 

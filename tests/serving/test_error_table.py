@@ -1,4 +1,4 @@
-"""The one error table (cluster/serving/error_table.py): every front answers an error the same way."""
+"""The one error table (cluster/serving/ops/error_table.py): every front answers an error the same way."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from cluster.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError, ParamError
-from cluster.serving.auth import Unauthenticated
-from cluster.serving.error_table import COUNTED, UnknownModel, classify, message, param_of, refusal_outcome
-from cluster.serving.metrics import OUTCOMES
+from cluster.serving.ops.auth import Unauthenticated
+from cluster.serving.ops.error_table import COUNTED, UnknownModel, classify, message, param_of, refusal_outcome
+from cluster.serving.ops.metrics import OUTCOMES
 
 
 @pytest.mark.parametrize("exc,code,status,kind,outcome,headers", [

@@ -33,7 +33,7 @@ PROMPT = [ord(c) for c in "def fib(n):\n    return"]
 
 @pytest.fixture(scope="module")
 def unit():
-    from cluster.serving.coordinator import Coordinator
+    from cluster.serving.control.coordinator import Coordinator
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
     cfg = load_config("configs/tiny.yaml")
@@ -125,7 +125,7 @@ def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
     """Killing one rank of a TP=2 target: in-flight requests get UNAVAILABLE within seconds, health says
     NOT_SERVING, the unit kills the rest of the group, starts a new one and serves the same greedy output."""
     from cluster.config.schema import config_from_dict
-    from cluster.serving.coordinator import Coordinator
+    from cluster.serving.control.coordinator import Coordinator
     from tests.support.checkpoints import write_tiny_checkpoints
     cfg = config_from_dict({"models": write_tiny_checkpoints(tmp_path),
                             "cluster": {"tp_size": 2, "backend": "gloo", "target": {"num_cpus": 0.1},

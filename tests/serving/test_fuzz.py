@@ -574,9 +574,9 @@ def test_specdec_head_chosen_by_drafter_name(tiny_engine, head_models):
 
 @pytest.mark.parametrize("head", ["/etc/passwd", "../configs/tiny.yaml", "target", "mag", "drafter-large/.."])
 def test_servers_refuse_a_head_that_is_not_a_served_drafter(head):
-    from cluster.serving.grpc_api import fields_from_proto
-    from cluster.serving.completions import fields_from_openai
-    from cluster.serving.requests import build_request
+    from cluster.serving.fronts.grpc_api import fields_from_proto
+    from cluster.serving.fronts.completions import fields_from_openai
+    from cluster.serving.fronts.requests import build_request
     cfg = load_config("configs/tiny.yaml")
     for fields in (lambda: fields_from_proto(pb.GenerateRequest(prompt="x", strategy="specdec_pp",
                                                                 options={"head": head})),
@@ -592,7 +592,7 @@ def test_servers_refuse_a_head_that_is_not_a_served_drafter(head):
 def test_guarded_deserializers_and_servicer_functions():
     from unittest.mock import Mock
 
-    from cluster.serving.grpc_api import malformed_error
+    from cluster.serving.fronts.grpc_api import malformed_error
     from protos.guard import (
         GUARDED_SERVICER_FUNCTIONS,
         MalformedRequest,
@@ -637,7 +637,7 @@ def test_guarded_deserializers_and_servicer_functions():
 def test_http_body_limits():
     import asyncio
 
-    from cluster.serving.http_api import DRAIN_FACTOR, parse_body, read_body
+    from cluster.serving.fronts.http_api import DRAIN_FACTOR, parse_body, read_body
 
     class Request:
         def __init__(self, chunks, declared=None):
@@ -670,7 +670,7 @@ def test_http_body_limits():
 
 
 def test_metric_labels_are_validated():
-    from cluster.serving.metrics import strategy_label
+    from cluster.serving.ops.metrics import strategy_label
     assert strategy_label("speculative") == "speculative"
     for bad in ("né", "", None, "x" * 1000, ["speculative"]):
         assert strategy_label(bad) == "invalid"

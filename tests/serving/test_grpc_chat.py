@@ -1,4 +1,4 @@
-"""The gRPC front's chat messages and logprobs (cluster/serving/app.py, grpc_api.py) without Ray: the
+"""The gRPC front's chat messages and logprobs (cluster/serving/fronts/app.py, grpc_api.py) without Ray: the
 deployment's Generate / GenerateStream over the in-process tiny engine, as Serve's gRPC proxy calls them."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import grpc
 
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
-from cluster.models.chat import render_chat
-from cluster.serving import app as app_mod
-from cluster.serving.auth import Keys
-from cluster.serving.client import SpecServeClient
+from cluster.models.chat_template import render_chat
+from cluster.serving.fronts import app as app_mod
+from cluster.serving.ops.auth import Keys
+from cluster.serving.client.sdk import SpecServeClient
 from tests.support.fake_coordinator import CFG, EngineCoordinator
 
 MESSAGES = [{"role": "user", "content": "def fib(n):"}]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (cluster/serving/http_app.py, http_api.py) without Ray: the replica's FastAPI
+"""The OpenAI-compatible HTTP API (cluster/serving/fronts/http_app.py, http_api.py) without Ray: the replica's FastAPI
 app driven in-process over a coordinator stand-in that runs the real in-process engine (configs/tiny.yaml),
 so validation messages are the engine's own.  The served cluster's tests (test_serve.py, test_fuzz.py,
 test_metrics_export.py) drive the same app through Ray Serve's HTTP proxy."""
@@ -10,7 +10,7 @@ import pytest
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import DeadlineExceededError, ModelUnavailableError, OverloadedError
-from cluster.serving.error_table import COUNTED, refusal_outcome
+from cluster.serving.ops.error_table import COUNTED, refusal_outcome
 from tests.support.asgi import call
 from tests.support.fake_coordinator import CFG
 
@@ -158,7 +158,7 @@ def test_unknown_routes_and_methods_are_openai_errors(app):
 
 def test_refusal_outcomes():
     from cluster.errors import ParamError
-    from cluster.serving.auth import Unauthenticated
+    from cluster.serving.ops.auth import Unauthenticated
     assert [refusal_outcome(e) for e in (ParamError("x", "y", 1), OverloadedError(), ModelUnavailableError("t"),
                                          Unauthenticated(), DeadlineExceededError(), KeyError())] == \
         ["invalid", "overloaded", "unavailable", "unauthenticated", "deadline", "error"]
@@ -173,7 +173,7 @@ def test_serve_ingress_keeps_the_grpc_methods():
     serve = pytest.importorskip("ray.serve")
     from ray.serve._private.http_util import ASGIAppReplicaWrapper
 
-    from cluster.serving.app import SpecServeDeployment
+    from cluster.serving.fronts.app import SpecServeDeployment
     wrapped = serve.ingress()(SpecServeDeployment)
     assert issubclass(wrapped, ASGIAppReplicaWrapper) and issubclass(wrapped, SpecServeDeployment)
     for method in ("Generate", "GenerateStream", "ServerInfo", "Check", "Watch", "check_health"):

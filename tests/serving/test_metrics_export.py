@@ -2,7 +2,7 @@
 
 Requests go through the served cluster's real gRPC and HTTP ports (speculative, cascades, a 400 on each
 front, an HTTP 404 for an unknown model, a stream); then Ray's exporter is polled (it exports with a delay)
-until every series of cluster.serving.metrics.EXPORTED is there with our labels.  Every metric a dashboard
+until every series of cluster.serving.ops.metrics.EXPORTED is there with our labels.  Every metric a dashboard
 panel or variable queries must be in that scrape, and every label it selects or groups by must be on it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.serving.metrics import EXPORTED
+from cluster.serving.ops.metrics import EXPORTED
 from tests.support.polling import poll
 
 ROOT = Path(__file__).resolve().parents[2]

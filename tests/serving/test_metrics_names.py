@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serving.metrics import EXPORTED, Timeline
+from cluster.serving.ops.metrics import EXPORTED, Timeline
 
 VLLM_VERSION = "0.33.0"
 VLLM_METRICS = {
@@ -76,7 +76,7 @@ def test_metrics_record_observes_the_phases_and_every_gap():
     with a timeline observes each gap once."""
     from cluster.core.stats import RequestStats
     from cluster.engine.request import GenerationResult
-    from cluster.serving.metrics import Metrics
+    from cluster.serving.ops.metrics import Metrics
     m = Metrics("m")
     seen = []
     m.itl.observe = lambda v, tags: seen.append(("itl", v))
@@ -93,7 +93,7 @@ def test_per_request_acceptance_rate_histogram():
     """One observation per request that drafted: its accepted / drafted share (none for a request without drafts)."""
     from cluster.core.stats import RequestStats
     from cluster.engine.request import GenerationResult
-    from cluster.serving.metrics import Metrics
+    from cluster.serving.ops.metrics import Metrics
     m = Metrics("m")
     seen = []
     m.acceptance.observe = lambda v, tags: seen.append((v, tags["strategy"]))

@@ -17,7 +17,7 @@ from cluster.config.schema import config_from_dict
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 from tests.support.load import Load
 from tests.support.multinode import MultiNode
 from tests.support.polling import poll
@@ -146,7 +146,7 @@ def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
           f"serving again {served - back:.1f}s after the new node started; {len(load.results)} completions")
     assert codes == ["UNAVAILABLE"], codes
     # The proxy's call to the replica fails as soon as its connection breaks, since the nodes run with
-    # RAY_timeout_ms_task_wait_for_death_info=0 (cluster/serving/ray_node.py): measured 0.06-0.08 s; with
+    # RAY_timeout_ms_task_wait_for_death_info=0 (cluster/serving/ops/ray_node.py): measured 0.06-0.08 s; with
     # Ray's default (1000 ms, checked on a 1 s heartbeat) 1.15-1.58 s.  The GCS declares the node dead only
     # 12-15 s after the kill (its health checks), so this does not wait for that.
     assert first_failure <= 1.0

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from cluster.errors import ParamError
-from cluster.models.chat import render_chat
+from cluster.models.chat_template import render_chat
 from cluster.models.tokenizer import HFTokenizer
-from cluster.serving.oai_fields import prediction_text, speculative_decoding
+from cluster.serving.fronts.oai_fields import prediction_text, speculative_decoding
 from tests.support.asgi import call
 from tests.support.checkpoints import write_word_tokenizer
 

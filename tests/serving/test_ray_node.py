@@ -1,4 +1,4 @@
-"""Ray's token for every process specserve starts (cluster/serving/ray_node.py), without starting Ray."""
+"""Ray's token for every process specserve starts (cluster/serving/ops/ray_node.py), without starting Ray."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import stat
 import subprocess
 import sys
 
-from cluster.serving.ray_node import auth_env, ensure_token, is_loopback
+from cluster.serving.ops.ray_node import auth_env, ensure_token, is_loopback
 
 
 def test_token_is_created_user_only_and_kept(tmp_path):

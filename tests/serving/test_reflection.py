@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cluster.serving.deploy import serve_config
+from cluster.serving.ops.deploy import serve_config
 
 
 def test_reflection_is_enabled_in_every_deploy_description():

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 from protos.guard import REPLICA_LOST
 from tests.support.polling import poll
 
@@ -38,7 +38,7 @@ def _replica_pid() -> int:
 def victim(served):
     from ray import serve
 
-    from cluster.serving.app import build_app
+    from cluster.serving.fronts.app import build_app
     cfg, _ = served
     vcfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, app_name=APP))
     serve.run(build_app(vcfg), name=APP, route_prefix=f"/{APP}")

@@ -23,7 +23,7 @@ from tests.support.netns import PROBE, Netns, listening_ports, netns_unavailable
 API_KEY = "test-key-24"
 GRPC_CALLS = """
 import sys
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 from cluster.errors import ParamError
 import grpc
 addr, ca, key = sys.argv[1:4]
@@ -78,7 +78,7 @@ def outside(tmp_path_factory):
             yield ns, dict(head=head, cfg=cfg, cert=cert, env=env, log=up.stderr)
         finally:
             if head is not None:
-                from cluster.serving.ray_node import stop_pid
+                from cluster.serving.ops.ray_node import stop_pid
                 stop_pid(head["pid"])
 
 
@@ -125,7 +125,7 @@ def test_token_file_is_user_only(outside):
 
 def test_client_tls_arguments_are_checked(tmp_path):
     from cluster.errors import ParamError
-    from cluster.serving.client import SpecServeClient
+    from cluster.serving.client.sdk import SpecServeClient
     with pytest.raises(ParamError, match=r"invalid ca: .* \(allowed: only with tls=True"):
         SpecServeClient("127.0.0.1:1", ca=str(tmp_path / "ca.pem"))
     with pytest.raises(ParamError, match=r"invalid ca: .* \(allowed: a readable PEM file"):

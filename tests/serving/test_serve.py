@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
-from cluster.serving.client import SpecServeClient
-from cluster.core.drafting import DRAFTS  # noqa: E402
+from cluster.serving.client.sdk import SpecServeClient
+from cluster.core.draft.programs import DRAFTS  # noqa: E402
 from cluster.strategies import REGISTRY  # noqa: E402
 from tests.support.polling import poll as _poll
 
@@ -274,7 +274,7 @@ def test_openai_completions_http(served):
 def test_metrics_record():
     from cluster.core.stats import RequestStats
     from cluster.engine.request import GenerationResult
-    from cluster.serving.metrics import Metrics
+    from cluster.serving.ops.metrics import Metrics
     st = RequestStats(strategy="speculative", generated_tokens=5, steps=2, drafted_tokens=8, accepted_tokens=3,
                       accepted_per_pos=[2, 1], wall_s=0.5, ttft_s=0.1)
     Metrics().record("speculative", "ok", GenerationResult([1] * 5, "", "length", st, 0, "r"), 0.6)
@@ -286,7 +286,7 @@ def test_tensor_parallel_gloo_matches_single(served, tmp_path):
     shard with transformers' tp plan from a checkpoint in tmp_path) gives the scores of TP=1 within
     1e-4 and the same greedy output as the in-process engine."""
     from cluster.config.schema import config_from_dict
-    from cluster.serving.coordinator import Coordinator
+    from cluster.serving.control.coordinator import Coordinator
     from tests.support.built import engine_for
     from tests.support.checkpoints import write_tiny_checkpoints
     from tests.support.reference_worker import HFWorker

@@ -69,7 +69,7 @@ def _rss(coord) -> int:
 
 
 def test_soak_mixed_requests_leave_no_state_and_no_growth():
-    from cluster.serving.coordinator import Coordinator
+    from cluster.serving.control.coordinator import Coordinator
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
     cfg = load_config("configs/tiny.yaml")

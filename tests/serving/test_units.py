@@ -15,7 +15,7 @@ from cluster.config.schema import config_from_dict, load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError, ParamError
-from cluster.serving.channel import Channel
+from cluster.serving.control.channel import Channel
 from tests.support.exact import local_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ class InProcessChannel(Channel):
 def remote_engine(tiny_engine):
     """The engine over RemoteHandles whose endpoints call ModelHosts (actor bodies) in this process."""
     from actors.model_actor import ModelHost
-    from cluster.serving.remote import RemoteHandle
+    from cluster.serving.control.remote import RemoteHandle
     cfg = load_config("configs/tiny.yaml")
     eps = {n: InProcessChannel(ModelHost(cfg, n)) for n in cfg.models}
     handles = {n: RemoteHandle(ep, ep.actors[0].info()) for n, ep in eps.items()}
@@ -90,9 +90,9 @@ def grouped_engine(tiny_engine):
     drafter and MaG, pre-drafting in its background thread) behind RemoteHandles, as build_unit connects them."""
     from actors.draft_actor import DraftHost
     from actors.model_actor import ModelHost
-    from cluster.core.drafting import DRAFTS
+    from cluster.core.draft.programs import DRAFTS
     from cluster.family import ensure_built
-    from cluster.serving.remote import RemoteHandle
+    from cluster.serving.control.remote import RemoteHandle
     data = yaml.safe_load(open(ROOT / "configs" / "tiny.yaml"))
     data["mag"] = {}
     cfg = config_from_dict(data)
@@ -185,7 +185,7 @@ def test_autoscaling_maps_onto_serve_and_one_serve_config_deploys_it():
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serving.deploy import deployment_options, serve_config
+    from cluster.serving.ops.deploy import deployment_options, serve_config
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     data["cluster"].update(autoscaling={"min_units": 1, "max_units": 3, "upscale_delay_s": 2,
                                         "downscale_delay_s": 5}, drain_timeout_s=30)
@@ -223,8 +223,8 @@ def test_generated_stubs_are_up_to_date(tmp_path):
     ([1, 2], "body"),
 ])
 def test_openai_request_errors_name_the_field(body, name, tiny_engine):
-    from cluster.serving.completions import fields_from_openai
-    from cluster.serving.requests import prepare
+    from cluster.serving.fronts.completions import fields_from_openai
+    from cluster.serving.fronts.requests import prepare
     cfg = load_config("configs/tiny.yaml")
     coord = SimpleNamespace(engine=tiny_engine, prepare=tiny_engine.prepare)
     with pytest.raises(ParamError) as e:
@@ -233,8 +233,8 @@ def test_openai_request_errors_name_the_field(body, name, tiny_engine):
 
 
 def test_openai_request_defaults_from_config():
-    from cluster.serving.completions import fields_from_openai
-    from cluster.serving.requests import build_request
+    from cluster.serving.fronts.completions import fields_from_openai
+    from cluster.serving.fronts.requests import build_request
     cfg = load_config("configs/tiny.yaml")
     fields, m = fields_from_openai({"prompt": ["hi"], "stop": "\n", "top_k": 5,
                                     "strategy": "speculative", "options": {"k": 3}})

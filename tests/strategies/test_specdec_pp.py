@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cluster.core.draft_stop import stop_after
+from cluster.core.draft.stop import stop_after
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.family.heads import fit_head, make_features, sample_responses

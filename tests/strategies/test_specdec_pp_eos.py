@@ -1,11 +1,11 @@
 """SpecDec++ stops drafting right after an EOS candidate (Huang et al., SpecDec++, footnote 1) with one
-implementation of its stopping rule (cluster.core.draft_stop.DraftStop) in every drafter; still exact."""
+implementation of its stopping rule (cluster.core.draft.stop.DraftStop) in every drafter; still exact."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cluster.core.draft_stop import DraftStop, stop_after
+from cluster.core.draft.stop import DraftStop, stop_after
 from cluster.core.sampling import SamplingParams, logits_to_probs
 from cluster.engine.request import GenerationRequest
 from cluster.models.head import AcceptanceHead

@@ -1,14 +1,14 @@
 """A tabular drafter with SpecDec++'s adaptive drafting, for exact enumeration (tests only).
 
 Its acceptance "head" predicts a constant ``accept`` for every candidate; the stopping rule is the production
-one, :class:`cluster.core.draft_stop.DraftStop` (threshold, k_max, EOS).
+one, :class:`cluster.core.draft.stop.DraftStop` (threshold, k_max, EOS).
 """
 from __future__ import annotations
 
 import torch
 
 from cluster.core.constraint import mask_logits
-from cluster.core.draft_stop import DraftStop
+from cluster.core.draft.stop import DraftStop
 from cluster.core.sampling import logits_to_probs, sample
 from tests.support.exact import TabularModel
 

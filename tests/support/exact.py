@@ -264,9 +264,9 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
               overlap: bool = False) -> dict:
     """The exact law of the first ``n`` tokens from repeated steps of strategy ``name`` (each step planned with
     ``budget``), enumerating every random draw (the draft side's too; ``overlap``: it pre-drafts every next
-    block, see :mod:`cluster.core.draft_side`)."""
-    from cluster.core.draft_side import DraftSide
-    from cluster.core.drafting import DRAFTS
+    block, see :mod:`cluster.core.draft.side`)."""
+    from cluster.core.draft.side import DraftSide
+    from cluster.core.draft.programs import DRAFTS
     from cluster.core.stats import RequestStats
     from cluster.strategies import REGISTRY
     from cluster.strategies.base import StepContext

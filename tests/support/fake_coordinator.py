@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from cluster.config.schema import load_config
-from cluster.serving.auth import Keys
-from cluster.serving.http_app import build_http_app
+from cluster.serving.ops.auth import Keys
+from cluster.serving.fronts.http_app import build_http_app
 
 CFG = load_config("configs/tiny.yaml")
 

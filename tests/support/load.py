@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from cluster.serving.client import SpecServeClient
+from cluster.serving.client.sdk import SpecServeClient
 from protos import specserve_pb2_grpc as pbg
 
 

@@ -3,7 +3,7 @@
 The head (0 CPUs, resource ``node_head``) runs on 127.0.0.2, worker nodes on 127.0.0.3, .4, ... with one CPU
 and a resource named after them (``node_a``, ``node_b``), so placement is observable and steerable.  Ray's
 localhost (127.0.0.1) would be rewritten to the machine's outward address for a node that joins another
-(cluster/serving/ray_node.py), so each node gets its own 127.0.0.x: every byte stays on loopback, and each
+(cluster/serving/ops/ray_node.py), so each node gets its own 127.0.0.x: every byte stays on loopback, and each
 node's processes are the process tree of its ``ray start`` PID.  Token auth is on; the token lives in ``tmp``.
 Drivers run in child processes (``query``), so the test process never joins the cluster.  Leaving the
 block stops every node by PID.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from cluster.serving.ray_node import RayNode, auth_env, start_node, temp_dir
+from cluster.serving.ops.ray_node import RayNode, auth_env, start_node, temp_dir
 from tests.support.polling import poll
 
 HEAD_IP = "127.0.0.2"

@@ -99,7 +99,7 @@ class HFWorker:
         """SpecDec++ drafting (Huang et al., *SpecDec++: Boosting Speculative Decoding via Adaptive
         Candidate Lengths*, Algorithm 1): like :meth:`propose`, but the forward pass that yields q_i also
         yields the final hidden state e_{i-1} of candidate i-1, and drafting stops once
-        1 - prod sigmoid(head(e)) > ``threshold`` (:func:`cluster.core.draft_stop.stop_after`), at most
+        1 - prod sigmoid(head(e)) > ``threshold`` (:func:`cluster.core.draft.stop.stop_after`), at most
         ``k_max`` tokens.  ``head``: an AcceptanceHead or its directory (picklable for remote handles)."""
         head = resolve_head(head)
         req = self._get(rid)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 from cluster.config.schema import config_from_dict
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
-from cluster.serving.coordinator import Coordinator
+from cluster.serving.control.coordinator import Coordinator
 
 
 class StepProbe:

@@ -1,7 +1,7 @@
 """The one request path of every front: a front's fields -> a validated, tokenized :class:`PreparedRequest`.
 
-gRPC (:func:`cluster.serving.grpc_api.fields_from_proto`), HTTP completions and chat
-(:mod:`cluster.serving.http_api`, :mod:`cluster.serving.chat`) and the CLI only translate their own message
+gRPC (:func:`cluster.serving.fronts.grpc_api.fields_from_proto`), HTTP completions and chat
+(:mod:`cluster.serving.fronts.http_api`, :mod:`cluster.serving.fronts.chat_completions`) and the CLI only translate their own message
 into :class:`Fields`; here the config's ``generation`` defaults are merged, chat messages are rendered with
 the checkpoint's template, and the engine validates and tokenizes the request once (``Engine.prepare``).
 :func:`admit` does the blocking part (tokenizing, rendering) in a worker thread, off the event loop.
@@ -17,8 +17,8 @@ from cluster.config.schema import Config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest, PreparedRequest
 from cluster.errors import ParamError
-from cluster.models.chat import render_chat
-from cluster.serving.error_table import UnknownModel
+from cluster.models.chat_template import render_chat
+from cluster.serving.ops.error_table import UnknownModel
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Fields:
     model: str | None = None               # None: the served one
     logprobs: int | None = None            # top-n per emitted token (None: none)
     prompt_logprobs: int | None = None     # top-n per prompt token (None: none)
-    structured: Any = None                 # tools / tool_choice / response_format (serving/structured.py)
+    structured: Any = None                 # tools / tool_choice / response_format (serving/fronts/structured.py)
     names: dict[str, str] = field(default_factory=dict)   # engine parameter -> the front's name for it
     prediction: str | None = None          # predicted output text (OpenAI's prediction.content)
     template_kwargs: dict | None = None    # chat: extra chat-template variables (chat_template_kwargs)

@@ -1,4 +1,4 @@
-"""The Ray implementation of the transport seam (:class:`cluster.serving.channel.Channel`): actor calls.
+"""The Ray implementation of the transport seam (:class:`cluster.serving.control.channel.Channel`): actor calls.
 
 A :class:`RayChannel` is one model actor, or the rank actors of a tensor-parallel group (every call goes to
 every rank, in the same order, and rank 0's answer is returned).  Per-step calls are plain Ray actor calls
@@ -14,7 +14,7 @@ from typing import Callable
 
 from actors.protocol import StateLostError, StepCall
 from cluster.errors import ModelUnavailableError
-from cluster.serving.channel import ASKS, Channel
+from cluster.serving.control.channel import ASKS, Channel
 
 log = logging.getLogger("specserve.remote")
 WAIT_SLICE_S = 0.5      # how often a waiting call looks whether the watchdog marked its channel down

@@ -26,7 +26,7 @@ from protos.ray_private import replace_grpc_binding
 GRPC_HOST_ENV = "SPECSERVE_GRPC_HOST"
 TLS_CERT_ENV = "SPECSERVE_GRPC_TLS_CERT"
 TLS_KEY_ENV = "SPECSERVE_GRPC_TLS_KEY"
-HOOK = "cluster.serving.bind_hook.install"
+HOOK = "cluster.serving.ops.bind_hook.install"
 
 
 def hook_env(host: str, cert: str | None = None, key: str | None = None) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The draft side: every drafter of a unit behind one handle that drafts a whole block per request per call.
 
-The engine sees one model, :data:`cluster.core.drafting.DRAFTS`, with one batched method, ``draft_batch``:
+The engine sees one model, :data:`cluster.core.draft.programs.DRAFTS`, with one batched method, ``draft_batch``:
 items ``(request id, DraftSpec, limit, budget)`` -> one :class:`DraftBlock` each.  The draft programs of all
 the call's requests run together, their drafter calls grouped per drafter into one batched call per round.
 In-process it wraps the local drafter handles; served, it lives in one Ray actor with the drafters
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cluster.core.calls import DraftItem, PrefillItem, drive
-from cluster.core.drafting import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
+from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftCtx, DraftSpec, run_program
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError, UnsupportedCallError
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.errors import ModelUnavailableError

@@ -1,7 +1,7 @@
 """The one error table of every front: each error a request can meet -> its gRPC status code, HTTP status,
 OpenAI error ``type``, metrics outcome and retry headers -- and the one procedure every front runs on an
-error, :func:`answer`: classify, log once, count once.  gRPC (:mod:`cluster.serving.app`) and HTTP
-(:mod:`cluster.serving.http_app`, its API-key middleware included) only render the :class:`Answer`.
+error, :func:`answer`: classify, log once, count once.  gRPC (:mod:`cluster.serving.fronts.app`) and HTTP
+(:mod:`cluster.serving.fronts.http_app`, its API-key middleware included) only render the :class:`Answer`.
 
 Retry headers: ``Retry-After: 1`` on 429 / 503 (RFC 9110, sec. 10.2.3: the client may come back shortly);
 ``x-should-retry: false`` on 500 / 504, the header the official OpenAI SDKs read before their own retry rule
@@ -22,7 +22,7 @@ from cluster.errors import (
     ParamError,
     shown,
 )
-from cluster.serving.auth import Unauthenticated
+from cluster.serving.ops.auth import Unauthenticated
 from protos.guard import INTERNAL_DETAILS as INTERNAL_MESSAGE   # what the guarded gRPC proxy lets through
 
 log = logging.getLogger("specserve.errors")

@@ -1,6 +1,6 @@
 """Draft programs: everything a step does before the target verifies, run where the drafters are.
 
-A strategy asks the draft side (:class:`cluster.core.draft_side.DraftSide`) for one block of drafts per
+A strategy asks the draft side (:class:`cluster.core.draft.side.DraftSide`) for one block of drafts per
 step with a :class:`cluster.core.calls.Draft` call carrying a :class:`DraftSpec`; the draft side runs the
 matching program below for every request of the call, batching the programs' drafter calls per model, and
 answers with one :class:`DraftBlock` per request.  However deep the drafting (a CS Drafting cascade makes

@@ -5,7 +5,7 @@ behind the draft side in the default ``separated`` topology, :mod:`actors.draft_
 ``colocated``), and the target (in the coordinator's process by default, so verification runs where its logits
 are; an actor with ``target_placement: actor``; a tensor-parallel group of rank actors when ``tp_size > 1``),
 every one built by :func:`cluster.models.build.build_handle`.  Separated, the engine's models are the target,
-the draft side (:data:`cluster.core.drafting.DRAFTS`, one round trip per step) and each drafter as a member of
+the draft side (:data:`cluster.core.draft.programs.DRAFTS`, one round trip per step) and each drafter as a member of
 the draft-group actor (for strategies that drive one drafter directly).
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from actors.draft_actor import start_draft_actor
 from actors.model_actor import start_model_actor
 from actors.tp import start_tp_group
 from cluster.config.schema import Config
-from cluster.core.drafting import DRAFTS
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.model_set import ModelSet
 from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
-from cluster.serving.ray_channel import RayChannel
-from cluster.serving.remote import RemoteHandle
+from cluster.serving.control.ray_channel import RayChannel
+from cluster.serving.control.remote import RemoteHandle
 
 STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
 

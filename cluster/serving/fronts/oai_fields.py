@@ -6,7 +6,7 @@
   from the prediction that verification kept) and ``rejected_prediction_tokens`` (those it refused), the
   meaning OpenAI gives them: prediction tokens that did / did not appear in the completion.
 * ``chat_template_kwargs`` (vLLM's, chat only): extra variables for the checkpoint's chat template, e.g. Qwen3's
-  ``{"enable_thinking": false}``; :mod:`cluster.models.chat` refuses a name its template never reads.
+  ``{"enable_thinking": false}``; :mod:`cluster.models.chat_template` refuses a name its template never reads.
 * ``metrics.speculative_decoding``: the request's speculative statistics under vLLM's definitions
   (``vllm/v1/spec_decode/metrics.py``: a draft is one verification step over drafted tokens; the mean
   acceptance length counts the token the target adds to each draft; the draft acceptance rate is accepted over
@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from cluster.errors import ParamError
-from cluster.models.chat import RESERVED_TEMPLATE_KWARGS
+from cluster.models.chat_template import RESERVED_TEMPLATE_KWARGS
 
 PREDICTION_ALLOWED = ('{"type": "content", "content": a string or a list of text parts '
                       '[{"type": "text", "text": a string}]}')

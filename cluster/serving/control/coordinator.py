@@ -1,9 +1,9 @@
 """The coordinator of one serving unit: the continuous-batching engine over remote model handles.
 
-It starts the unit's actors (:func:`cluster.serving.unit.build_unit`), builds the same
-:class:`cluster.engine.Engine` the in-process runtime uses over :class:`cluster.serving.remote.RemoteHandle` s,
+It starts the unit's actors (:func:`cluster.serving.control.unit.build_unit`), builds the same
+:class:`cluster.engine.Engine` the in-process runtime uses over :class:`cluster.serving.control.remote.RemoteHandle` s,
 and runs ONE step loop in a background thread: every step advances every running request, with one batched
-call per model.  Async callers (:mod:`cluster.serving.app`) add requests and read their chunks from a queue;
+call per model.  Async callers (:mod:`cluster.serving.fronts.app`) add requests and read their chunks from a queue;
 admission beyond ``engine.max_batch`` waits (up to ``engine.max_queue``) and beyond that is refused with
 :class:`cluster.errors.OverloadedError` at once.  A request's state is released on every model when it ends,
 fails or is cancelled; a cancelled request stops at the next step boundary.
@@ -30,9 +30,9 @@ from cluster.engine.request import (
     StreamChunk,
 )
 from cluster.engine.sequence import WAITING, Sequence
-from cluster.serving.chunks import ChunkBox, StepDelivery, paced
-from cluster.serving.metrics import Timeline
-from cluster.serving.unit import build_unit
+from cluster.serving.control.chunks import ChunkBox, StepDelivery, paced
+from cluster.serving.ops.metrics import Timeline
+from cluster.serving.control.unit import build_unit
 from cluster.strategies import REGISTRY
 
 log = logging.getLogger("specserve.coordinator")
@@ -126,7 +126,7 @@ class Coordinator:
     async def stream(self, req: GenerationRequest | PreparedRequest, *, whole: bool = False
                      ) -> AsyncIterator[StreamChunk]:
         """Validate, admit and run ``req``; yield its chunks, coalesced and paced by ``cluster.stream``
-        (:mod:`cluster.serving.chunks`; ``whole``: only the last chunk, holding everything).  Closing the
+        (:mod:`cluster.serving.control.chunks`; ``whole``: only the last chunk, holding everything).  Closing the
         iterator (or cancelling the task consuming it) stops the generation at the next step boundary and frees
         its state everywhere."""
         req = self.prepare(req)

@@ -1,6 +1,6 @@
 """The Ray Serve deployment: one replica = one serving unit (a coordinator and its actors), serving the
-gRPC API (:mod:`cluster.serving.grpc_api`) through Serve's gRPC proxy and the OpenAI-style HTTP API
-(:mod:`cluster.serving.http_api`); plus ``start_serve`` and the ``app_builder`` for ``serve run`` / KubeRay."""
+gRPC API (:mod:`cluster.serving.fronts.grpc_api`) through Serve's gRPC proxy and the OpenAI-style HTTP API
+(:mod:`cluster.serving.fronts.http_api`); plus ``start_serve`` and the ``app_builder`` for ``serve run`` / KubeRay."""
 from __future__ import annotations
 
 import asyncio
@@ -9,16 +9,16 @@ import grpc
 
 from cluster.config.schema import Config, config_from_dict, load_config
 from cluster.errors import ConfigError, shown
-from cluster.serving.auth import (
+from cluster.serving.ops.auth import (
     OPERATOR,
     Unauthenticated,
     load_keys,
     metadata_token,
 )
-from cluster.serving.coordinator import Coordinator
-from cluster.serving.deploy import DEPLOYMENT, deployment_options, serve_config
-from cluster.serving.error_table import answer
-from cluster.serving.grpc_api import (
+from cluster.serving.control.coordinator import Coordinator
+from cluster.serving.ops.deploy import DEPLOYMENT, deployment_options, serve_config
+from cluster.serving.ops.error_table import answer
+from cluster.serving.fronts.grpc_api import (
     SERVICE,
     MalformedRequest,
     chunk_to_proto,
@@ -27,9 +27,9 @@ from cluster.serving.grpc_api import (
     result_to_proto,
     server_info,
 )
-from cluster.serving.http_app import build_http_app
-from cluster.serving.metrics import make_metrics
-from cluster.serving.requests import admit
+from cluster.serving.fronts.http_app import build_http_app
+from cluster.serving.ops.metrics import make_metrics
+from cluster.serving.fronts.requests import admit
 from protos import specserve_pb2 as pb
 from protos.ray_private import check_startup
 
@@ -75,7 +75,7 @@ class SpecServeDeployment:
 
     # -- gRPC ---------------------------------------------------------------------------------------
     def _fail(self, ctx, exc: BaseException, strategy: str | None, empty=None):
-        """Render the one error procedure's answer (:func:`cluster.serving.error_table.answer`) as a status on
+        """Render the one error procedure's answer (:func:`cluster.serving.ops.error_table.answer`) as a status on
         ``ctx`` and return ``empty`` (the method's empty response): a refused request is answered, not raised
         through Serve (which would log a traceback for each).  Messages are ours and bounded (ParamError
         echoes a truncated value); the metric label is a validated strategy."""
@@ -146,7 +146,7 @@ class SpecServeDeployment:
     # -- HTTP (OpenAI completions): a FastAPI app behind Serve's ASGI ingress (see build_app) -----------
     def __serve_build_asgi_app__(self):
         """Called by Ray Serve once per replica, after ``__init__``: the routes of
-        :mod:`cluster.serving.http_app` over this replica's coordinator."""
+        :mod:`cluster.serving.fronts.http_app` over this replica's coordinator."""
         return build_http_app(self)
 
 
@@ -164,7 +164,7 @@ def build_app(cfg: Config):
 
 
 def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = False, num_cpus: int | None = None):
-    """Start (or join) Ray, then deploy :func:`cluster.serving.deploy.serve_config` of ``cfg`` (what KubeRay
+    """Start (or join) Ray, then deploy :func:`cluster.serving.ops.deploy.serve_config` of ``cfg`` (what KubeRay
     deploys too): Serve's HTTP and gRPC proxies on the configured ports, the application from ``cfg``."""
     import ray
     from ray import serve
@@ -180,7 +180,7 @@ def start_serve(cfg: Config, *, address: str | None = None, blocking: bool = Fal
 
 
 def app_builder(args: dict):
-    """Serve application builder (``import_path: cluster.serving.app:app_builder``): what ``specserve
+    """Serve application builder (``import_path: cluster.serving.fronts.app:app_builder``): what ``specserve
     serve-config`` and a KubeRay RayService's ``serveConfigV2`` deploy (see k8s/).  ``args.config`` is a config
     file's path where Serve runs, or the config itself inline (a mapping; ``args.source`` names the file it was
     written from): an edit of serveConfigV2 then redeploys the new config without a new image."""

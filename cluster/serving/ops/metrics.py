@@ -22,7 +22,7 @@ client cannot create series; recording never raises into a request.
 
 Counting: the coordinator counts every request it admitted when it ends (:meth:`Metrics.record` with the
 sequence's error, which it marks); the gRPC and HTTP fronts count what they refuse before or at admission
-(:func:`cluster.serving.error_table.refusal_outcome` says which outcome, and None for an error the coordinator
+(:func:`cluster.serving.ops.error_table.refusal_outcome` says which outcome, and None for an error the coordinator
 already counted).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.errors import shown
-from cluster.serving.error_table import COUNTED
+from cluster.serving.ops.error_table import COUNTED
 from cluster.strategies import REGISTRY
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]

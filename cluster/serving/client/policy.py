@@ -1,4 +1,4 @@
-"""What :class:`cluster.serving.client.SpecServeClient` asks of gRPC itself: a default deadline, a retry policy
+"""What :class:`cluster.serving.client.sdk.SpecServeClient` asks of gRPC itself: a default deadline, a retry policy
 in the channel's service config, and readiness from the standard health service's ``Watch``.
 
 Retries (gRFC A6, "gRPC Retry Design", https://github.com/grpc/proposal/blob/master/A6-client-retries.md): the
@@ -14,7 +14,7 @@ one deadline.
 
 Readiness: instead of polling ``Check``, :func:`wait_serving` waits for the channel to connect
 (``grpc.channel_ready_future``) and then follows ``Watch``, which the server answers with the status now and
-again whenever it changes (:meth:`cluster.serving.app.SpecServeDeployment.Watch`).
+again whenever it changes (:meth:`cluster.serving.fronts.app.SpecServeDeployment.Watch`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A small gRPC client for the cluster (``specserve client`` uses it; programs can too).
 
-    from cluster.serving.client import SpecServeClient
+    from cluster.serving.client.sdk import SpecServeClient
     with SpecServeClient("127.0.0.1:9000") as c:
         c.wait_ready()
         r = c.generate("def fib(n):", max_new_tokens=32, strategy="speculative", options={"k": 4})
@@ -20,7 +20,7 @@ from typing import Iterator
 import grpc
 
 from cluster.errors import ParamError
-from cluster.serving.client_policy import DEFAULT_TIMEOUT_S, channel_options, wait_serving
+from cluster.serving.client.policy import DEFAULT_TIMEOUT_S, channel_options, wait_serving
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pbg
 

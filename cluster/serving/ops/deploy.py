@@ -2,7 +2,7 @@
 
 :func:`serve_config` is the Serve config (``serve run`` / ``serve deploy`` / a RayService's ``serveConfigV2``)
 of a specserve config file: proxies, ports, the guarded gRPC servicer functions and one application built by
-``cluster.serving.app:app_builder`` from that file.  :func:`deployment_options` are the deployment's options
+``cluster.serving.fronts.app:app_builder`` from that file.  :func:`deployment_options` are the deployment's options
 (units as replicas, fixed or autoscaled, drain time, resources), which the application builder applies from
 the same file, so nothing about a unit is written twice.  ``specserve up`` starts Serve from
 :func:`serve_config` too; ``specserve serve-config --inline`` prints it with the config inline and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from cluster.config.schema import Config
 from protos.guard import GUARDED_SERVICER_FUNCTIONS
 
-APP_BUILDER = "cluster.serving.app:app_builder"
+APP_BUILDER = "cluster.serving.fronts.app:app_builder"
 DEPLOYMENT = "SpecServe"
 
 

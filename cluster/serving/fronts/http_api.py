@@ -2,10 +2,10 @@
 
 The body is read up to MAX_MESSAGE_BYTES (the declared ``Content-Length`` first) and its JSON nesting is
 checked (at most MAX_JSON_DEPTH levels) before it is parsed; then the endpoint's request model
-(:mod:`cluster.serving.completions`, :mod:`cluster.serving.chat`: pydantic, strict types, unknown parameters
+(:mod:`cluster.serving.fronts.completions`, :mod:`cluster.serving.fronts.chat_completions`: pydantic, strict types, unknown parameters
 forbidden) types it and the engine validates the ranges.  Every refusal is a
 :class:`ParamError` (HTTP 400 naming the parameter, the allowed range and the value); a ``model`` other than
-the served one is :class:`cluster.serving.error_table.UnknownModel` (HTTP 404, as vLLM answers).
+the served one is :class:`cluster.serving.ops.error_table.UnknownModel` (HTTP 404, as vLLM answers).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.errors import ParamError, shown
-from cluster.serving.oai_fields import PREDICTION_ALLOWED, prediction_text
+from cluster.serving.fronts.oai_fields import PREDICTION_ALLOWED, prediction_text
 from cluster.strategies import REGISTRY
 
 ANY_BOOL = (True, False)
@@ -73,7 +73,7 @@ class OpenAIRequest(BaseModel):
         return self._usage
 
     def common_fields(self) -> dict:
-        """The shared fields as :class:`cluster.serving.requests.Fields` keywords (``top_k: -1`` is off)."""
+        """The shared fields as :class:`cluster.serving.fronts.requests.Fields` keywords (``top_k: -1`` is off)."""
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     seed=self.seed, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                     strategy=self.strategy, options=self.options or {}, ignore_eos=bool(self.ignore_eos),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from cluster.engine.request import GenerationResult, PreparedRequest, StreamChunk, TokenLogprob
-from cluster.serving.oai_fields import prediction_usage, speculative_decoding
+from cluster.serving.fronts.oai_fields import prediction_usage, speculative_decoding
 
 
 def openai_finish(reason: str | None) -> str | None:

@@ -2,8 +2,8 @@
 
 The engine calls the batched forms once per step and model (``prefill_batch``, ``draft_batch``,
 ``score_batch``, ``propose_batch``, ``propose_adaptive_batch``); each becomes ONE call on the handle's
-:class:`cluster.serving.channel.Channel` (:mod:`actors.protocol`'s ``StepCall``; a Ray actor call through
-:class:`cluster.serving.ray_channel.RayChannel`) that also carries the bookkeeping queued since the last call
+:class:`cluster.serving.control.channel.Channel` (:mod:`actors.protocol`'s ``StepCall``; a Ray actor call through
+:class:`cluster.serving.control.ray_channel.RayChannel`) that also carries the bookkeeping queued since the last call
 (``rollback`` / ``extend`` / ``release``); the engine sends what is still queued at the end of a step with
 :meth:`flush` (outside its lock), so a finished request frees its state on the actor within a step and a hung
 actor never stalls the engine's front.  Handles of the drafters hosted by the draft-group actor address their
@@ -22,7 +22,7 @@ import torch
 from actors.protocol import StepCall, expand_onehot, nbytes, unpack
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
-from cluster.serving.channel import Channel
+from cluster.serving.control.channel import Channel
 
 
 @dataclass
@@ -91,7 +91,7 @@ class RemoteHandle(BatchedHandle):
         return self._call("propose_adaptive_batch", items)
 
     def draft_batch(self, items) -> list:
-        """The draft side's blocks (:class:`cluster.core.drafting.DraftBlock`), one round trip for the batch."""
+        """The draft side's blocks (:class:`cluster.core.draft.programs.DraftBlock`), one round trip for the batch."""
         return self._call("draft_batch", items)
 
     def active_requests(self) -> list[str]:

@@ -1,21 +1,21 @@
 """The OpenAI-compatible HTTP API: a FastAPI app that Ray Serve's ASGI ingress serves from each replica.
 
-:class:`cluster.serving.app.SpecServeDeployment` builds it per replica (``__serve_build_asgi_app__``, the
+:class:`cluster.serving.fronts.app.SpecServeDeployment` builds it per replica (``__serve_build_asgi_app__``, the
 late-bound form of ``serve.ingress``), so the routes close over the replica's coordinator.  Routes:
 
 * ``GET /health``: 200 ``{"ready": true}`` once the unit is warm and its target answers, else 503 with
   ``Retry-After``; exempt from the API key (probes, load balancers).
 * ``GET /v1/models``: the served model id (``cluster.app_name``).
-* ``POST /v1/completions``: :class:`cluster.serving.completions.CompletionRequest`; ``"stream": true`` answers
+* ``POST /v1/completions``: :class:`cluster.serving.fronts.completions.CompletionRequest`; ``"stream": true`` answers
   with server-sent events (one ``data:`` completion chunk per engine step, then ``data: [DONE]``).
-* ``POST /v1/chat/completions``: :class:`cluster.serving.chat.ChatRequest`, rendered with the model's chat
+* ``POST /v1/chat/completions``: :class:`cluster.serving.fronts.chat_completions.ChatRequest`, rendered with the model's chat
   template; streamed as ``chat.completion.chunk`` events.
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 names the parameter, the
 allowed range and the value; 401 without a valid key; 404 for an unknown ``model`` or route; 429 (queue
 full) and 503 (a model down, not warm) with ``Retry-After: 1``; 504 past the request deadline; a 500 carries
 no internals (the traceback stays in the server log); 500 and 504 carry ``x-should-retry: false``.  Statuses,
-types and outcomes come from the one table, :mod:`cluster.serving.error_table`.  Every refusal is counted in
+types and outcomes come from the one table, :mod:`cluster.serving.ops.error_table`.  Every refusal is counted in
 ``specserve_requests{outcome}``.
 """
 # no ``from __future__ import annotations``: FastAPI reads the routes' annotations (Request) at run time
@@ -25,12 +25,12 @@ import json
 import time
 
 from cluster.errors import shown
-from cluster.serving.auth import Unauthenticated, bearer_token
-from cluster.serving.error_table import answer
-from cluster.serving.chat import ChatFormat, fields_from_chat
-from cluster.serving.completions import CompletionFormat, fields_from_openai
-from cluster.serving.http_api import model_list, oai_error, parse_body, read_body
-from cluster.serving.requests import admit
+from cluster.serving.ops.auth import Unauthenticated, bearer_token
+from cluster.serving.ops.error_table import answer
+from cluster.serving.fronts.chat_completions import ChatFormat, fields_from_chat
+from cluster.serving.fronts.completions import CompletionFormat, fields_from_openai
+from cluster.serving.fronts.http_api import model_list, oai_error, parse_body, read_body
+from cluster.serving.fronts.requests import admit
 
 RETRY_AFTER = {"Retry-After": "1"}        # seconds; /health's 503 while the unit is not ready
 
@@ -104,7 +104,7 @@ def build_http_app(dep):
 
 def refused(dep, exc: BaseException, strategy, **extra_headers: str) -> object:
     """The OpenAI error response rendering the one error procedure's answer for ``exc``
-    (:func:`cluster.serving.error_table.answer`: logged and counted there)."""
+    (:func:`cluster.serving.ops.error_table.answer`: logged and counted there)."""
     ans = answer(exc, dep.coord.metrics, strategy or dep.cfg.engine.strategy)
     headers = dict(ans.kind.headers or {}, **extra_headers)
     return json_response(oai_error(ans.message, ans.kind.openai_type, ans.param, ans.kind.http_status),

@@ -1,4 +1,4 @@
-"""The embedded family's chat template: :data:`cluster.models.chat.CODE_CHAT_TEMPLATE` (a conversation as
+"""The embedded family's chat template: :data:`cluster.models.chat_template.CODE_CHAT_TEMPLATE` (a conversation as
 Python comments, the family being trained on Python source), written as ``chat_template.jinja`` next to
 every tokenizer of the family, the file transformers reads a tokenizer's template from.  The build writes it
 and :func:`ensure_chat_template` adds it to a family cached before it existed (or rewrites an older version of
@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from cluster.models.chat import CODE_CHAT_TEMPLATE
+from cluster.models.chat_template import CODE_CHAT_TEMPLATE
 
 TEMPLATE_FILE = "chat_template.jinja"
 

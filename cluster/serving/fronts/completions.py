@@ -5,7 +5,7 @@ fields for the one request path, and the response objects.
 in the ``logprobs`` object (the first prompt token's logprob is null, as OpenAI answers), which is what
 lm-eval's ``local-completions`` loglikelihood requests read (``echo: true, logprobs: 1, max_tokens: 1``;
 ``max_tokens: 0`` scores the prompt alone).  Fields this server does not implement are accepted at their
-neutral value only (:mod:`cluster.serving.neutral`).
+neutral value only (:mod:`cluster.serving.fronts.neutral`).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pydantic import Field, field_validator
 
 from cluster.engine.request import MAX_PROMPT_IDS, MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
 from cluster.errors import ParamError
-from cluster.serving.neutral import NEUTRAL, OpenAIRequest, typed
-from cluster.serving.oai_format import ResponseFormat, completion_logprobs, openai_finish
-from cluster.serving.requests import Fields
+from cluster.serving.fronts.neutral import NEUTRAL, OpenAIRequest, typed
+from cluster.serving.fronts.oai_format import ResponseFormat, completion_logprobs, openai_finish
+from cluster.serving.fronts.requests import Fields
 
 ENDPOINT = "/v1/completions"
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}   # engine name -> OpenAI's
@@ -48,7 +48,7 @@ class CompletionRequest(OpenAIRequest):
 
 def fields_from_openai(body: Any) -> tuple[Fields, CompletionRequest]:
     """The request's fields from a completions body, and the typed body (for the response's shape).
-    :mod:`cluster.serving.requests` merges the config's defaults; the engine checks the ranges."""
+    :mod:`cluster.serving.fronts.requests` merges the config's defaults; the engine checks the ranges."""
     m = typed(CompletionRequest, body, ENDPOINT, NEUTRAL)
     if m.stream and m.echo and m.logprobs is not None:
         raise ParamError("echo", "false with stream and logprobs (prompt logprobs only in a whole response)",

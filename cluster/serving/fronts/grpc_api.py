@@ -1,17 +1,17 @@
 """The Ray Serve application: gRPC ``specserve.v1.SpecServe`` + OpenAI-compatible completions and chat.
 
 One deployment replica = one serving unit (coordinator + its drafters + its target group, see
-:mod:`cluster.serving.coordinator`), so ``cluster.replicas`` scales whole units.  gRPC goes through Serve's
+:mod:`cluster.serving.control.coordinator`), so ``cluster.replicas`` scales whole units.  gRPC goes through Serve's
 gRPC proxy (methods ``Generate``, ``GenerateStream``, ``ServerInfo`` and the standard
 ``grpc.health.v1.Health/Check``, SERVING only after warm-up); HTTP through Serve's HTTP proxy
 (``POST /v1/completions`` and ``/v1/chat/completions`` incl. ``"stream": true`` as server-sent events,
 ``GET /v1/models``, ``GET /health``).
 
-Errors go through the one table of :mod:`cluster.serving.error_table`: a :class:`cluster.errors.ParamError`
+Errors go through the one table of :mod:`cluster.serving.ops.error_table`: a :class:`cluster.errors.ParamError`
 becomes ``INVALID_ARGUMENT`` / HTTP 400 naming field, allowed range and value (truncated, see
 :func:`cluster.errors.shown`); :class:`cluster.errors.OverloadedError` becomes ``RESOURCE_EXHAUSTED`` / HTTP
 429; anything else ``INTERNAL`` / 500 with a sanitized message (the traceback stays in the server log).
-Both fronts build requests through the one request path, :func:`cluster.serving.requests.admit`.  A refused request is answered without raising through Ray Serve (which
+Both fronts build requests through the one request path, :func:`cluster.serving.fronts.requests.admit`.  A refused request is answered without raising through Ray Serve (which
 would log a traceback per request); a refused stream carries one empty chunk before its status, because
 Serve forwards a status set by a streaming handler only with a message.  A client that cancels or
 disconnects stops its generation (see the coordinator); Serve's proxy alone would lose a cancel that arrives
@@ -40,10 +40,10 @@ from cluster.engine.request import (
     GenerationResult,
 )
 from cluster.errors import ParamError
-from cluster.models.chat import MAX_MESSAGES
-from cluster.serving.oai_fields import MAX_TEMPLATE_KWARGS_BYTES, TEMPLATE_KWARGS_ALLOWED, template_kwargs
-from cluster.serving.requests import Fields
-from cluster.serving.structured import Structured, structured, tool_call_objects
+from cluster.models.chat_template import MAX_MESSAGES
+from cluster.serving.fronts.oai_fields import MAX_TEMPLATE_KWARGS_BYTES, TEMPLATE_KWARGS_ALLOWED, template_kwargs
+from cluster.serving.fronts.requests import Fields
+from cluster.serving.fronts.structured import Structured, structured, tool_call_objects
 from cluster.strategies import REGISTRY
 from protos import specserve_pb2 as pb
 from protos.guard import MalformedRequest
@@ -58,7 +58,7 @@ def malformed_error(m: MalformedRequest) -> ParamError:
 
 # -- requests --------------------------------------------------------------------------------------
 def fields_from_proto(m: pb.GenerateRequest) -> Fields:
-    """The request's fields (:mod:`cluster.serving.requests` merges the defaults and validates); unset
+    """The request's fields (:mod:`cluster.serving.fronts.requests` merges the defaults and validates); unset
     optional fields stay None.  Counts and lengths are checked before anything is copied (a refused message
     arrives as a MalformedRequest)."""
     if isinstance(m, MalformedRequest):
@@ -85,7 +85,7 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
 
 
 def _message(x: pb.ChatMessage) -> dict:
-    """A chat message as OpenAI's JSON shape (what cluster.models.chat checks)."""
+    """A chat message as OpenAI's JSON shape (what cluster.models.chat_template checks)."""
     out = {"role": x.role, "content": x.content}
     out.update({k: getattr(x, k) for k in ("name", "tool_call_id") if getattr(x, k)})
     if x.tool_calls:

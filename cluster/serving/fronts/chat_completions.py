@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` (OpenAI's chat completions, as vLLM serves them): the request model, its
 fields for the one request path and the response objects.
 
-The messages are rendered with the served checkpoint's own chat template (:mod:`cluster.models.chat`;
+The messages are rendered with the served checkpoint's own chat template (:mod:`cluster.models.chat_template`;
 a model without one is refused naming ``messages``).  Streaming sends ``chat.completion.chunk`` objects, the
 first delta carrying ``role: assistant``, then ``data: [DONE]``; ``stream_options.include_usage`` adds one
 final chunk with ``choices: []`` and ``usage``.  ``logprobs: true`` with ``top_logprobs: n`` returns the
@@ -15,12 +15,12 @@ from pydantic import Field, PrivateAttr
 
 from cluster.engine.request import MAX_TOP_LOGPROBS, GenerationResult, StreamChunk
 from cluster.errors import ParamError
-from cluster.serving.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, typed
-from cluster.serving.oai_fields import TEMPLATE_KWARGS_ALLOWED, template_kwargs
-from cluster.serving.oai_format import ResponseFormat, chat_logprobs, openai_finish
+from cluster.serving.fronts.neutral import CHAT_ONLY_NEUTRAL, NEUTRAL, OpenAIRequest, typed
+from cluster.serving.fronts.oai_fields import TEMPLATE_KWARGS_ALLOWED, template_kwargs
+from cluster.serving.fronts.oai_format import ResponseFormat, chat_logprobs, openai_finish
 from cluster.models.tool_calls import ToolStream
-from cluster.serving.requests import Fields
-from cluster.serving.structured import structured, tool_call_objects
+from cluster.serving.fronts.requests import Fields
+from cluster.serving.fronts.structured import structured, tool_call_objects
 
 ENDPOINT = "/v1/chat/completions"
 STRUCTURED = ("tools", "tool_choice", "parallel_tool_calls", "response_format")    # implemented on chat

@@ -4,7 +4,7 @@ A :class:`Channel` carries one per-step call (:class:`actors.protocol.StepCall`:
 one batched method) to where a model runs and brings its packed answer back; it asks every rank a question
 (``info``, ``health``, ``active_requests``) without waiting (:class:`Pending`); and once it has found the model
 gone it fails fast until :meth:`Channel.probe` sees it answer again -- where a model cannot come back by itself
-(a tensor-parallel group), the probe runs the channel's restart hook.  :class:`cluster.serving.ray_channel.RayChannel`
+(a tensor-parallel group), the probe runs the channel's restart hook.  :class:`cluster.serving.control.ray_channel.RayChannel`
 is the Ray implementation (actor calls); another transport plugs in here without touching the engine, the
 remote handle, the unit builder or the coordinator's watchdog (the tests' in-process channel is one).
 """
