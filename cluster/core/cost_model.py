@@ -11,7 +11,7 @@ token per target pass).
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, Sequence
+from typing import Mapping
 
 
 # -- closed forms of the paper ----------------------------------------------------------------------
@@ -36,25 +36,6 @@ def expected_tokens(alpha, k: int) -> float:
 def ewif_speculative(alpha: float, k: int, c: float) -> float:
     """Corollary 4.2: (1 - alpha^{k+1}) / ((1 - alpha)(c k + 1))."""
     return expected_tokens(alpha, k) / (c * k + 1.0)
-
-
-def ewif_vertical(alpha: float, alpha_d: float, k: int, n: int, c1: float, c2: float) -> float:
-    """Theorem 4.3: the target reviews n steps of d1, each reviewing k tokens of d2:
-    (1 - alpha phi^n(alpha)) / ((1 - alpha)(1 + n c1 + n k c2)), phi = phi_(alpha(d1, d2), k);
-    alpha = alpha(target, d1), alpha_d = alpha(d1, d2)."""
-    f = phi(alpha_d, k, alpha) ** n
-    tokens = float(n * (k + 1) + 1) if alpha >= 1.0 else (1.0 - alpha * f) / (1.0 - alpha)
-    return tokens / (1.0 + n * c1 + n * k * c2)
-
-
-def ewif_horizontal(alphas: Sequence[float], costs: Sequence[float]) -> float:
-    """Theorem 4.5: draft token i made by model i (acceptance alpha_i, cost c_i):
-    sum_{i=0}^k prod_{j<=i} alpha_j / (1 + sum_i c_i)."""
-    num, prod = 1.0, 1.0
-    for a in alphas:
-        prod *= a
-        num += prod
-    return num / (1.0 + sum(costs))
 
 
 # -- any K-matrix ---------------------------------------------------------------------------------

@@ -38,19 +38,6 @@ def load_manifest(cache_dir: Path | str | None = None) -> dict | None:
     return manifest
 
 
-def zoo_is_built(cache_dir: Path | str | None = None) -> bool:
-    """Whether ``cache_dir`` holds a complete build (see :func:`load_manifest`)."""
-    return load_manifest(cache_dir) is not None
-
-
-def model_entry(manifest: dict, name: str) -> dict:
-    """The manifest entry of model ``name`` (``KeyError`` if absent)."""
-    for m in manifest["models"]:
-        if m["name"] == name:
-            return m
-    raise KeyError(name)
-
-
 @contextlib.contextmanager
 def _build_lock(cache_dir: Path):
     cache_dir.parent.mkdir(parents=True, exist_ok=True)

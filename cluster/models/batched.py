@@ -123,11 +123,6 @@ class BatchedHFWorker(BatchedHandle):
     def length(self, rid: str) -> int:
         return len(self._get(rid).tokens)
 
-    def kv_tokens(self) -> int:
-        """Tokens currently held in the KV cache over all requests."""
-        with self._lock:
-            return sum(r.cached for r in self._requests.values())
-
     # -- the operations speculative decoding needs -----------------------------------------------
     def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
         return self.propose_batch([(rid, k)])[0]

@@ -11,7 +11,13 @@ import pytest
 import cluster.family.corpus as corpus
 from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.build import build_zoo
-from cluster.family.cache import load_manifest, model_entry, zoo_is_built
+from cluster.family.cache import load_manifest
+
+
+def model_entry(manifest: dict, name: str) -> dict:
+    """The manifest's entry of model ``name``."""
+    return next(m for m in manifest["models"] if m["name"] == name)
+
 
 # --------------------------------------------------------------------------- corpus
 
@@ -94,7 +100,7 @@ def test_tiny_build_produces_loadable_checkpoints(tiny_zoo):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache, manifest, _ = tiny_zoo
-    assert zoo_is_built(cache)
+    assert load_manifest(cache) is not None
     assert (cache / "manifest.json").is_file()
     on_disk = json.loads((cache / "manifest.json").read_text())
     assert on_disk["preset"] == "tiny" and on_disk["seed"] == 0
@@ -153,11 +159,11 @@ def test_second_call_uses_cache(tiny_zoo):
 
 def test_incomplete_build_is_not_built(tmp_path):
     cache = tmp_path / "zoo-v1"
-    assert load_manifest(cache) is None and not zoo_is_built(cache)
+    assert load_manifest(cache) is None
     (cache / "target").mkdir(parents=True)  # e.g. a copy interrupted before the manifest
-    assert not zoo_is_built(cache)
+    assert load_manifest(cache) is None
     (cache / "manifest.json").write_text("{not json")
-    assert not zoo_is_built(cache)
+    assert load_manifest(cache) is None
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):
