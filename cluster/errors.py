@@ -59,6 +59,12 @@ class ConfigError(ValueError):
     """A configuration file is malformed; the message names the field (dotted path)."""
 
 
+def check_config_choice(path: str, value: Any, choices) -> None:
+    """A config field's value must be one of ``choices``: else a :class:`ConfigError` naming its dotted ``path``."""
+    if value not in choices:
+        raise ConfigError(f"{path}: one of {', '.join(choices)}, got {value!r}")
+
+
 class OverloadedError(RuntimeError):
     """The server's request queue is full (gRPC ``RESOURCE_EXHAUSTED``)."""
 

@@ -16,7 +16,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
-from cluster.errors import ConfigError
+from cluster.errors import ConfigError, check_config_choice
 
 TOPOLOGIES = ("separated", "colocated")   # drafters in their own actors, or inside the coordinator
 # Where a single-rank target runs: in the coordinator's process, so the step loop and verification sit where the
@@ -193,18 +193,10 @@ class ClusterSpec:
     stream: StreamSpec = field(default_factory=StreamSpec)    # pacing of streamed responses
 
     def validate(self, path: str) -> None:
-        if self.target_placement not in TARGET_PLACEMENTS:
-            raise ConfigError(f"{path}.target_placement: one of {', '.join(TARGET_PLACEMENTS)}, "
-                              f"got {self.target_placement!r}")
-        if self.topology not in TOPOLOGIES:
-            raise ConfigError(f"{path}.topology: one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.tp_strategy not in TP_STRATEGIES:
-            raise ConfigError(f"{path}.tp_strategy: one of {', '.join(TP_STRATEGIES)}, got {self.tp_strategy!r}")
-        if self.proxy_location not in PROXY_LOCATIONS:
-            raise ConfigError(f"{path}.proxy_location: one of {', '.join(PROXY_LOCATIONS)}, "
-                              f"got {self.proxy_location!r}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"{path}.backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name, choices in (("target_placement", TARGET_PLACEMENTS), ("topology", TOPOLOGIES),
+                              ("tp_strategy", TP_STRATEGIES), ("proxy_location", PROXY_LOCATIONS),
+                              ("backend", BACKENDS)):
+            check_config_choice(f"{path}.{name}", getattr(self, name), choices)
         for name, low, high in (("tp_size", 1, 1024),
                                 ("replicas", 1, 1024), ("grpc_port", 1, 65535), ("http_port", 1, 65535),
                                 ("warmup_tokens", 0, 1024)):

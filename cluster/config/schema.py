@@ -15,7 +15,7 @@ import yaml
 
 from cluster.config.layout import ClusterSpec
 from cluster.core.sampling import SamplingParams
-from cluster.errors import ConfigError, ParamError
+from cluster.errors import ConfigError, ParamError, check_config_choice
 from cluster.strategies import REGISTRY, all_options
 
 
@@ -109,10 +109,8 @@ class EngineSpec:
         if self.device_memory_gib is not None and not 0 < self.device_memory_gib <= 1 << 20:
             raise ConfigError(f"{path}.device_memory_gib: must be in (0, 1048576] (or null: detected), "
                               f"got {self.device_memory_gib}")
-        if self.overlap not in OVERLAP:
-            raise ConfigError(f"{path}.overlap: one of {', '.join(OVERLAP)}, got {self.overlap!r}")
-        if self.strategy not in REGISTRY:
-            raise ConfigError(f"{path}.strategy: one of {', '.join(sorted(REGISTRY))}, got {self.strategy!r}")
+        check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)
+        check_config_choice(f"{path}.strategy", self.strategy, sorted(REGISTRY))
         if self.max_new_tokens_limit < 1:
             raise ConfigError(f"{path}.max_new_tokens_limit: must be >= 1, got {self.max_new_tokens_limit}")
         known = all_options()
@@ -183,8 +181,7 @@ class ChatSpec:
     tool_parser: str = "hermes"
 
     def validate(self, path: str) -> None:
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ConfigError(f"{path}.tool_parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+        check_config_choice(f"{path}.tool_parser", self.tool_parser, TOOL_PARSERS)
 
 
 @dataclass(frozen=True)
