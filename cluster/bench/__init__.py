@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cluster, cs, edit, grammar, load, main, served, spec_cascades, transport, verify
+from cluster.bench import cluster, cs, edit, gpu, grammar, load, main, served, spec_cascades, transport, verify
 
 SUITES = {
     "main": main.run,
@@ -17,4 +17,5 @@ SUITES = {
     "transport": transport.run,
     "edit": edit.run,
     "grammar": grammar.run,
+    "gpu": gpu.run,
 }

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
     b.add_argument("--concurrency",
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
-    b.add_argument("--runtime", help="load suite: comma-separated of in-process, cluster (default both)")
+    b.add_argument("--runtime", help="load and gpu suites: comma-separated of in-process, cluster (default both)")
+    b.add_argument("--device", help="gpu suite: cpu, cuda or cuda:N (default: the first CUDA device; none: exit 2)")
     b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
                    "load_aware, mag, mag_load_aware, cs_drafting, cs_load_aware (default all the config serves)")
     b.add_argument("--requests-per-cell", dest="requests_per_cell",

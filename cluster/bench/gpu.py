@@ -1,0 +1,137 @@
+"""``specserve bench --suite gpu``: what a lent CUDA device should spend its minutes on, in one command.
+
+1. **Exactness on the device.**  Every drafting strategy the config serves, greedy, on ``--prompts`` held-out
+   prompts, one request at a time and all of them batched together: each output must equal autoregressive
+   decoding's on the same device (token for token), with tok/s and the ratio to autoregressive beside it.
+2. **Forward costs there.**  Each model's batched forward seconds by rows x new tokens, measured through the
+   engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
+   and the drafter's cost over the target's one-token forward at the same batch, ``c``: the inputs that
+   :mod:`cluster.bench.projection` takes from the cost model today.
+3. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
+   coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.
+
+Without a CUDA device it stops (exit 2) and says so, unless ``--device cpu`` asks for the same procedure on the
+CPU: what the tests run, so that the command works the day a device is lent.  Results: ``gpu_*.{csv,json}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.bench import served
+from cluster.bench.load import parse_runtimes
+from cluster.bench.report import print_table, write_results
+from cluster.core.sampling import SamplingParams
+from cluster.engine.measure import measure_costs
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ParamError, check_int
+from cluster.family.corpus import heldout_prompts
+from cluster.local import build_engine
+
+GREEDY = SamplingParams(0.0)
+COST_ROWS, COST_TOKENS = (1, 4, 16, 32), (1, 5)
+GPU_SHARE = 0.25           # of one device, per actor that hosts a model: Ray shows a device to actors that ask
+
+
+def on_device(cfg, device: str):
+    """``cfg`` with every model on ``device`` and, for CUDA, every model-hosting actor asking for a GPU share."""
+    models = {name: dataclasses.replace(spec, device=device) for name, spec in cfg.models.items()}
+    cluster = cfg.cluster
+    if device.startswith("cuda"):
+        share = {f: dataclasses.replace(getattr(cluster, f), num_gpus=GPU_SHARE)
+                 for f in ("target", "drafters", "coordinator")}
+        cluster = dataclasses.replace(cluster, **share)
+    return dataclasses.replace(cfg, models=models, cluster=cluster)
+
+
+def choose_device(requested: str | None) -> str | None:
+    """The device to measure on: ``requested`` (checked), else the first CUDA device, else None."""
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else None
+    if requested != "cpu" and not requested.startswith("cuda"):
+        raise ParamError("device", "cpu, cuda or cuda:N", requested)
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ParamError("device", "a CUDA device torch can see (torch.cuda.is_available() is False)", requested)
+    return requested
+
+
+def strategies(cfg, engine) -> list[tuple[str, str, dict]]:
+    """(row name, strategy, options): autoregressive first, then each drafting strategy the config serves."""
+    rows = [("autoregressive", "autoregressive", {})]
+    drafter = cfg.engine.options.get("drafter") or next(iter(cfg.drafters), None)
+    if drafter in engine.models:
+        rows.append((f"speculative {drafter} k=4", "speculative", {"drafter": drafter, "k": 4}))
+    if cfg.mag is not None:
+        rows += [("mag k=4", "mag", {"k": 4}), ("cs_drafting", "cs_drafting", {})]
+    return rows
+
+
+def exactness(engine, cfg, prompts: list[str], max_new: int) -> list[dict]:
+    """Greedy outputs of every strategy, alone and batched, against autoregressive's; tok/s of the lone runs."""
+    def request(strategy, options, prompt):
+        return GenerationRequest(prompt=prompt, max_new_tokens=max_new, sampling=GREEDY, seed=0,
+                                 strategy=strategy, options=dict(options), ignore_eos=True)
+
+    out, reference = [], None
+    for name, strategy, options in strategies(cfg, engine):
+        engine.generate(request(strategy, options, prompts[0]))                   # warm-up (not timed)
+        t0 = time.perf_counter()
+        alone = [engine.generate(request(strategy, options, p)).token_ids for p in prompts]
+        seconds = time.perf_counter() - t0
+        together = [r.token_ids for r in engine.generate_many([request(strategy, options, p) for p in prompts])]
+        reference = reference or alone
+        tokens = sum(map(len, alone))
+        out.append({"strategy": name, "prompts": len(prompts),
+                    "equal_alone": sum(a == r for a, r in zip(alone, reference)),
+                    "equal_batched": sum(b == r for b, r in zip(together, reference)),
+                    "tokens": tokens, "tok_s": round(tokens / seconds, 1)})
+    base = out[0]["tok_s"]
+    for row in out:
+        row["vs_autoregressive"] = round(row["tok_s"] / base, 3) if base else None
+    return out
+
+
+def forward_costs(engine, cfg) -> list[dict]:
+    """Each neural model's batched forward ms by rows x new tokens, and c = its ms over the target's 1-token ms."""
+    drafters = [n for n in cfg.drafters if n in engine.models and not engine.models[n].deterministic]
+    costs = measure_costs(engine.models, cfg.target, drafters, rows=COST_ROWS, new_tokens=COST_TOKENS, iters=3)
+    target = costs[cfg.target]
+    rows = []
+    for name in [cfg.target, *drafters]:
+        for r in COST_ROWS:
+            for t in COST_TOKENS if name == cfg.target else (1,):
+                ms = costs[name](r, t) * 1e3
+                rows.append({"model": name, "rows": r, "tokens": t, "ms": round(ms, 3),
+                             "c_vs_target": round(ms / (target(r, 1) * 1e3), 3)})
+    return rows
+
+
+def run(args, cfg) -> int:
+    device = choose_device(getattr(args, "device", None))
+    if device is None:
+        print("bench gpu: no CUDA device is visible (torch.cuda.is_available() is False); run it where one is, "
+              "or pass --device cpu to run the same procedure on the CPU")
+        return 2
+    runtimes = parse_runtimes(getattr(args, "runtime", None) or "in-process,cluster")
+    n = check_int("prompts", args.prompts, 1, 64)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    cfg = on_device(cfg, device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    out = Path(args.out)
+    rc = 0
+    if "in-process" in runtimes:
+        engine = build_engine(cfg)
+        prompts = [p["prompt"] for p in heldout_prompts(engine.tokenizer, n, seed=7)]
+        equal = exactness(engine, cfg, prompts, max_new)
+        print_table(equal, f"gpu: greedy outputs on {device} ({name}) vs autoregressive's, alone and batched")
+        costs = forward_costs(engine, cfg)
+        print_table(costs, f"gpu: batched forward ms on {device} ({name}); c = ms over the target's 1-token ms")
+        write_results(equal, out, "gpu_exactness")
+        write_results(costs, out, "gpu_forward_costs")
+        rc |= int(any(r["equal_alone"] != r["prompts"] or r["equal_batched"] != r["prompts"] for r in equal))
+    if "cluster" in runtimes:
+        rc |= served.run(args, cfg)
+    return rc
