@@ -68,6 +68,7 @@ class Prefilling:
                         s.set_prompt_logprobs(logits)
                 for s in items:
                     s.stale.discard(name)
+                    s.ctx.behind.pop(name, None)         # prefilled with every committed token
             except ModelUnavailableError as e:
                 self.model_down(name, e)
                 if name == self.target:                  # nothing can go on without it
