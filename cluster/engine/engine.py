@@ -3,10 +3,11 @@
 Three roles, as in nano-vllm: admission (:mod:`cluster.engine.validate`: a request becomes one
 :class:`PreparedRequest`), the :class:`Scheduler` (who runs; no torch), and the model handles (who own
 the device).  :meth:`Engine.step` glues them: requests join between steps (their prompts prefilled in
-one batched call per model), every running request's strategy step advances together -- their model
-calls grouped per model into one batched call per round (:mod:`cluster.engine.rounds`) -- and each
-request's tokens go through its stop rules and out as a :class:`StreamChunk`.  A batch of one is just a
-case of it; in-process (CLI, tests, benchmarks) and the cluster (over remote handles) run this same loop.
+one batched call per model, the target's first: :mod:`cluster.engine.prefill`), every running request's
+strategy step advances together -- their model calls grouped per model into one batched call per round
+(:mod:`cluster.engine.rounds`) -- and each request's tokens go through its stop rules and out as a
+:class:`StreamChunk`.  A batch of one is just a case of it; in-process (CLI, tests, benchmarks) and the
+cluster (over remote handles) run this same loop.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from cluster.core.calls import PrefillItem, prefill_scored
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.model_set import ModelSet
 from cluster.core.prediction import Prediction
@@ -24,6 +24,7 @@ from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
 from cluster.engine.kv_budget import derive_kv_budget
+from cluster.engine.prefill import Prefilling
 from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
 from cluster.engine.rounds import run_rounds
 from cluster.engine.scheduler import Limits, Scheduler
@@ -36,7 +37,7 @@ from cluster.strategies import REGISTRY, StepContext
 log = logging.getLogger("specserve.engine")
 
 
-class Engine(CallerDriven):
+class Engine(Prefilling, CallerDriven):
     """Runs any registered strategy, for many requests at once, over a set of model handles.
 
     ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
@@ -161,14 +162,6 @@ class Engine(CallerDriven):
                 ended.append(seq)
             return ended, self.scheduler.schedule()
 
-    def _recover(self) -> None:
-        """Probe the models that are down; prefill those that answer again with their requests' tokens."""
-        if self.health.down:
-            self.health.refresh()
-        back = {m for s in self.scheduler.running for m in s.stale} - self.health.down
-        if back:
-            self._prefill([s for s in self.scheduler.running if s.stale & back], back)
-
     def _runnable(self, ended: list[Sequence]) -> list[Sequence]:
         """The running requests that step now; a request for prompt logprobs only is done once prefilled
         (an empty generation, finish "length") and joins ``ended``."""
@@ -236,36 +229,6 @@ class Engine(CallerDriven):
             self.planner.observe(now - self._planned_at)
             self._planned_at = None
 
-    def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
-        """Start ``joined`` on their models (or on ``names`` only: a model that is back), one batched call each."""
-        for name in dict.fromkeys(r for s in joined for r in s.req.strategy.roles()):
-            if names is not None and name not in names:
-                continue
-            if name in self.health.down:
-                for s in joined:
-                    s.stale.add(name)
-                continue
-            items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
-            scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
-            try:
-                self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed)
-                                                 for s in items if s not in scored])
-                if scored:          # the prompt's logprobs from the forward that fills the target's cache
-                    rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
-                                                               s.req.seed) for s in scored])
-                    for s, logits in zip(scored, rows):
-                        s.set_prompt_logprobs(logits)
-                for s in items:
-                    s.stale.discard(name)
-            except ModelUnavailableError as e:
-                self.model_down(name, e)
-                if name == self.target:                  # nothing can go on without it
-                    for s in items:
-                        self._fail(s, e)
-            except Exception as e:                       # noqa: BLE001 - fails these requests only
-                for s in items:
-                    self._fail(s, e)
-
     def model_down(self, name: str, error: BaseException) -> None:
         """Mark ``name`` down (also from a health watchdog's thread): every live request's state there is
         lost; requests go on without a drafter, and fail at their next target call without the target."""
@@ -273,13 +236,6 @@ class Engine(CallerDriven):
         for s in self.live():
             if name in s.req.strategy.roles():
                 s.stale.add(name)
-
-    def _step_of(self, seq: Sequence):
-        """The request's strategy step, or a target-only step while one of its models is down or stale."""
-        roles = set(seq.req.strategy.roles()) - {self.target}
-        if roles & (self.health.down | seq.stale):
-            return self._fallback.step(seq.ctx)
-        return seq.req.strategy.step(seq.ctx)
 
     def _fail(self, seq: Sequence, error: BaseException, finish: str = "error") -> None:
         log.error("request %s failed: %s: %s", seq.rid, type(error).__name__, error)

@@ -177,7 +177,7 @@ class Planner:
         groups: dict[str, list] = {}
         for seq in running:
             strategy = seq.req.strategy
-            if getattr(strategy, "load_aware", False):
+            if getattr(strategy, "load_aware", False) and not getattr(seq, "stale", None):   # a target-only step
                 groups.setdefault(strategy.drafter, []).append(seq)
         self.acceptance.retire({id(s) for g in groups.values() for s in g})
         if not groups:

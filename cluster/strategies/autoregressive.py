@@ -15,9 +15,15 @@ class Autoregressive(Strategy):
         return [self.target_name]
 
     def step(self, ctx: StepContext):
-        logits = yield Score(self.target_name, ())          # [1, V]
-        ctx.stats.forward(self.target_name, target=True)
-        tok = sample(ctx.target_probs(logits)[0], ctx.rng)
-        ctx.commit([ctx.target], 0, [tok])
-        ctx.record_logprobs(logits, [tok])
-        return [tok]
+        return plain_step(ctx)
+
+
+def plain_step(ctx: StepContext):
+    """One target forward over the pending token and one token sampled from the target's law: the whole of an
+    autoregressive step, and of every drafting strategy's step of draft length 0 (speculative.py)."""
+    logits = yield Score(ctx.target_name, ())          # [1, V]
+    ctx.stats.forward(ctx.target_name, target=True)
+    tok = sample(ctx.target_probs(logits)[0], ctx.rng)
+    ctx.commit([ctx.target], 0, [tok])
+    ctx.record_logprobs(logits, [tok])
+    return [tok]

@@ -85,6 +85,7 @@ class StepContext:
     logprobs: int | None = None    # top-n of the target's logprobs per emitted token (None: not asked)
     step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
     prediction: Prediction | None = None   # the client's predicted output (drafting strategies draw from it)
+    behind: dict[str, int] = field(default_factory=dict)   # handle -> tokens it holds: plain steps skipped it
 
     @property
     def target(self) -> BatchedHandle:
@@ -104,6 +105,17 @@ class StepContext:
         produced the tokens.  Free when the request did not ask (``logprobs`` None)."""
         if self.logprobs is not None:
             self.step_logprobs = token_logprobs(target_logits, emitted, self.logprobs)
+
+    def skip(self, name: str) -> None:
+        """A plain step leaves handle ``name`` untouched (no bookkeeping call): it is told the tokens it missed
+        by :meth:`catch_up` before its next use (the engine forgets this when it prefills the handle anew)."""
+        self.behind.setdefault(name, len(self.tokens))
+
+    def catch_up(self, name: str) -> None:
+        """Append to handle ``name`` the committed tokens the plain steps since :meth:`skip` did not send it."""
+        held = self.behind.pop(name, None)
+        if held is not None and held < len(self.tokens):
+            self.models[name].extend(self.rid, self.tokens[held:])
 
     def commit(self, handles, kept: int, new: list[int]) -> None:
         """Roll ``handles`` back to ``len(tokens) + kept`` tokens, then append ``new`` (pending)."""

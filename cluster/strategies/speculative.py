@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
 from cluster.core.verifiers import VERIFIERS
+from cluster.strategies.autoregressive import plain_step
 from cluster.strategies.base import (
     Draft,
     Option,
@@ -65,12 +66,21 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     With a predicted output (:mod:`cluster.core.prediction`) a prediction-backed block takes precedence where
     the generated suffix occurs in the prediction (its own length: the prediction's ``k``, within the step's
     budget; none while the planner says 0): deterministic drafts, verified like the Max-Gram drafter's, and the
-    draft side is not asked this step."""
-    predicted = ctx.prediction.draft(ctx.tokens, ctx.budget - 1) if ctx.prediction is not None and k > 0 else []
+    draft side is not asked this step.
+
+    ``k = 0`` (the planner's plain decoding, a last step with room for one token) is an autoregressive step,
+    :func:`cluster.strategies.autoregressive.plain_step`, and costs what one costs: the draft side is neither
+    called nor told the token (``ctx.skip``); the next step that drafts first sends it the tokens it missed, in
+    one bookkeeping call (``ctx.catch_up``), and its drafters feed them with their first forward."""
+    if k == 0:
+        ctx.skip(DRAFTS)
+        return (yield from plain_step(ctx))
+    ctx.catch_up(DRAFTS)
+    predicted = ctx.prediction.draft(ctx.tokens, ctx.budget - 1) if ctx.prediction is not None else []
     if predicted:
         block = DraftBlock(predicted)                                                  # one-hot q
     else:
-        block = (yield Draft(DRAFTS, spec, k, ctx.budget)) if k > 0 else DraftBlock([])   # tokens [L], q [L, V]
+        block = yield Draft(DRAFTS, spec, k, ctx.budget)                                # tokens [L], q [L, V]
     for name, n in block.forwards.items():
         ctx.stats.forward(name, n)
     draft = block.tokens

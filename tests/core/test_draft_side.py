@@ -84,7 +84,7 @@ def test_overlap_batched_engine_is_exact_per_request():
 
     def run(rng):
         holder["rng"] = d.rng = rng
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=4, sampling=sp, seed=1, strategy="speculative",
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5, sampling=sp, seed=1, strategy="speculative",
                                   options={"drafter": "d", "k": 1}, request_id=f"r{i}")
                 for i, (p, sp) in enumerate((([0], sampling), ([2, 1], greedy)))]
         out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
@@ -108,7 +108,7 @@ def test_prediction_that_comes_true_is_used_and_greedy_output_is_unchanged():
     got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "twin", "k": 4}, **req))
     assert got.token_ids == want
     assert side.hits >= 3 and side.misses == 0
-    assert got.stats.target_forwards == 5                        # 5 tokens per step, 25 tokens
+    assert got.stats.target_forwards == 6            # the target-only first token, then 5 tokens per step
     assert not side.active_requests() and not twin.seqs
 
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
@@ -32,8 +33,10 @@ def test_stats_are_consistent(tiny_engine):
     res = _gen(tiny_engine, PROMPTS[0], "speculative", temperature=1.0, seed=3, k=4, max_new=60)
     s = res.stats
     assert res.finish_reason == "length" and s.generated_tokens == 60
-    assert s.generated_tokens == s.accepted_tokens + s.steps      # each step: accepted + 1 token
-    assert s.target_forwards == s.steps and sum(s.accepted_hist) == s.steps
+    # each target forward emits its accepted drafts + 1 token; the ones that verify no draft (the target-only
+    # first step, a last step whose budget leaves no room to draft) are not verification steps
+    assert s.generated_tokens == s.accepted_tokens + s.target_forwards
+    assert s.steps < s.target_forwards <= s.steps + 2 and sum(s.accepted_hist) == s.steps
     assert sum(s.drafter_forwards.values()) == s.drafted_tokens
     assert s.accepted_per_pos[0] == sum(s.accepted_hist[1:])       # position 1 accepted iff n >= 1
     assert all(a <= d for a, d in zip(s.accepted_per_pos, s.drafted_per_pos))
@@ -129,7 +132,10 @@ def test_stream_concatenates_to_result_and_releases(tiny_engine):
     assert "".join(c.text for c in chunks) == result.text
     assert all(c.finish_reason is None for c in chunks[:-1]) and chunks[-1].finish_reason == "length"
     stream = tiny_engine.stream(req)
-    next(stream)
+    next(stream)                                     # the target-only first step: the target holds it
+    models = tiny_engine.models
+    assert models[tiny_engine.target].active_requests() and not models[DRAFTS].active_requests()
+    next(stream)                                     # then the draft side and the drafter it drafts with
     assert all(m.active_requests() for m in tiny_engine.models.values() if m.name != "drafter-small")
     stream.close()                                   # a cancelled stream frees every model's state
     assert all(not m.active_requests() for m in tiny_engine.models.values())

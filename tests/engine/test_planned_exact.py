@@ -12,16 +12,17 @@ from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes
 
 
 class Scripted:
-    """A planner that plays a fixed list of draft lengths, one per plan, to every load-aware request."""
+    """A planner that plays a fixed list of draft lengths, one per plan, to every load-aware request that runs
+    its strategy's step (as the real planner, it skips a request whose step is the target's alone: its first)."""
 
     def __init__(self, ks):
         self.ks, self.i = list(ks), 0
 
     def plan(self, running):
-        for s in running:
-            if s.req.strategy.load_aware:
-                s.ctx.planned_k = self.ks[self.i % len(self.ks)]
-        self.i += 1
+        planned = [s for s in running if s.req.strategy.load_aware and not s.stale]
+        for s in planned:
+            s.ctx.planned_k = self.ks[self.i % len(self.ks)]
+        self.i += bool(planned)
 
     def observe(self, seconds):
         pass
@@ -58,11 +59,16 @@ def test_switching_between_plain_and_speculative_steps_is_exact(strategy, ks):
     assert max_abs_diff(enumerate_outcomes(run), target_joint(target, [0], 4)) < 1e-9
 
 
-@pytest.mark.parametrize("strategy", ["speculative", "cs_drafting"])
-def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy):
-    """Request A (4 tokens) runs from the first step; B (2 tokens, a plain autoregressive request) joins at the
-    second step and leaves first; the plan switches k every step.  The joint law of (A, B) is the product of the
-    target's laws for their prompts."""
+B_OPTIONS = {"autoregressive": {}, "speculative": {"drafter": "small", "k": 2}}
+
+
+@pytest.mark.parametrize("strategy,b_strategy", [("speculative", "autoregressive"), ("cs_drafting", "autoregressive"),
+                                                 ("speculative", "speculative")])
+def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy, b_strategy):
+    """Request A (4 tokens) runs from the first step; B (3 tokens; plain autoregressive, or speculative with
+    fixed k: its target-only first step runs beside A's planned step, its drafter is prefilled at the next)
+    joins at the second step; the plan switches k every step.  The joint law of (A, B) is the
+    product of the target's laws for their prompts."""
     holder = {}
     engine, target, drafters = _engine([0, 2, 1, 0, 2], holder)
 
@@ -74,13 +80,13 @@ def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy):
         a = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=4, sampling=SamplingParams(1.0), seed=0,
                                          strategy=strategy, options=OPTIONS[strategy]))
         engine.step()
-        b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=2, sampling=SamplingParams(1.0), seed=1,
-                                         strategy="autoregressive"))
+        b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=3, sampling=SamplingParams(1.0), seed=1,
+                                         strategy=b_strategy, options=B_OPTIONS[b_strategy]))
         while engine.has_work:
             engine.step()
         return tuple(a.generated), tuple(b.generated)
 
     got = enumerate_outcomes(run)
-    want_a, want_b = target_joint(target, [0], 4), target_joint(target, [1], 2)
+    want_a, want_b = target_joint(target, [0], 4), target_joint(target, [1], 3)
     want = {(x, y): wa * wb for x, wa in want_a.items() for y, wb in want_b.items()}
     assert max_abs_diff(got, want) < 1e-9

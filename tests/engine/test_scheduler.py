@@ -97,7 +97,9 @@ def test_requests_added_between_steps_join_at_the_next_step_in_order():
     assert (b.status, c.status) == (WAITING, WAITING) and "b" not in _state(models)["target"]
     engine.step()
     assert joins == [["a"], ["b", "c"]] and b.status == c.status == RUNNING
-    assert _state(models)["target"] == ["a", "b", "c"] and _state(models)["mag"] == ["c"]
+    assert _state(models)["target"] == ["a", "b", "c"] and _state(models)["mag"] == []   # c's first step: target only
+    engine.step()
+    assert _state(models)["mag"] == ["c"]                 # then c drafts with the Max-Gram drafter
     d = engine.add(_req("d", 1))                        # batch full: waits, then joins in order
     while engine.has_work:
         engine.step()
@@ -231,6 +233,8 @@ def test_abort_waiting_and_running_frees_every_handle_and_the_id():
     wait = engine.add(_req("wait", 6, strategy="mag"))
     engine.step()
     assert run.status == RUNNING and wait.status == WAITING
+    assert _state(models) == {"target": ["run"], "d": [], "mag": []}       # its first step is the target's alone
+    engine.step()
     assert _state(models) == {"target": ["run"], "d": ["run"], "mag": []}
     assert engine.abort("wait") and not engine.abort("nobody")
     with pytest.raises(ParamError, match="request_id"):             # still live until the step boundary
@@ -268,10 +272,12 @@ def test_failing_drafter_fails_only_its_group():
     ar = engine.add(_req("ar", 4))
     mg = engine.add(_req("mg", 4, strategy="mag"))
     bad = engine.add(_req("bad", 4, strategy="speculative", drafter="bad", k=2))
+    first = engine.step()                               # the target-only first step: nobody drafts yet
+    assert first == [] and all(len(s.generated) == 1 for s in (ok, ar, mg, bad))
     ended = engine.step()
     assert [s.rid for s in ended if s.finish == "error"] == ["bad"]
     assert isinstance(bad.error, RuntimeError) and "propose exploded" in str(bad.error)
-    assert all(s.error is None and len(s.generated) >= 1 for s in (ok, ar, mg))   # same step, unaffected
+    assert all(s.error is None and len(s.generated) >= 2 for s in (ok, ar, mg))   # same step, unaffected
     assert "bad" not in _state(models)["target"] and not _state(models)["bad"]
     while engine.has_work:
         engine.step()
@@ -282,6 +288,8 @@ def test_failing_prefill_fails_only_its_requests():
     engine, models = _engine(bad=Failing("bad", V, seed=9, rng=Rng(1), fail=("prefill",)))
     ok = engine.add(_req("ok", 3, strategy="speculative", drafter="d", k=2))
     bad = engine.add(_req("bad", 3, strategy="speculative", drafter="bad", k=2))
+    engine.step()                                       # the target-only first step: drafters prefill next
+    assert bad.finish is None and len(bad.generated) == 1
     engine.step()
     assert bad.finish == "error" and "prefill exploded" in str(bad.error)
     while engine.has_work:
@@ -318,7 +326,8 @@ def test_stream_closed_early_cancels_and_releases():
     stream = engine.stream(_req("s", 8, strategy="speculative", drafter="d", k=1))
     first = next(stream)
     assert first.token_ids and first.finish_reason is None
-    assert "s" in _state(models)["target"] and "s" in _state(models)["d"]
+    assert "s" in _state(models)["target"] and "s" not in _state(models)["d"]     # the target-only first step
+    assert next(stream).token_ids and "s" in _state(models)["d"]
     stream.close()
     assert "s" not in engine._live and all("s" not in ids for ids in _state(models).values())
     assert other.status == RUNNING and other.error is None              # the batch goes on

@@ -92,16 +92,16 @@ def test_specdec_pp_with_eos_stop_is_exact(ignore_eos):
 
     def run(rng):
         holder["rng"] = drafter.rng = rng
-        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=3, sampling=SamplingParams(1.0),
+        res = engine.generate(GenerationRequest(prompt_ids=[0], max_new_tokens=4, sampling=SamplingParams(1.0),
                                                 seed=0, strategy="specdec_pp", ignore_eos=ignore_eos,
                                                 options=dict(drafter="adaptive", k_max=4, threshold=0.9)))
         return tuple(res.token_ids)
 
     got = enumerate_outcomes(run)
     if ignore_eos:
-        assert max_abs_diff(got, target_joint(target, [0], 3)) < 1e-9
+        assert max_abs_diff(got, target_joint(target, [0], 4)) < 1e-9
         assert all(eos is None for _, eos in drafts) and any(1 in t[:-1] for t, _ in drafts)
     else:
-        assert max_abs_diff(got, _target_law_until_eos(target, [0], 3, 1)) < 1e-9
+        assert max_abs_diff(got, _target_law_until_eos(target, [0], 4, 1)) < 1e-9
         assert all(eos == 1 for _, eos in drafts) and any(t[-1] == 1 for t, _ in drafts)
         assert not any(1 in t[:-1] for t, _ in drafts)              # never a candidate after EOS
