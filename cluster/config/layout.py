@@ -23,6 +23,9 @@ TOPOLOGIES = ("separated", "colocated")   # drafters in their own actors, or ins
 # target's logits are and only drafts cross processes (the fewest bytes: no [L+1, V] logits per request and
 # step), or in an actor of its own (isolates it; costs a round trip per step).  A TP target is always actors.
 TARGET_PLACEMENTS = ("coordinator", "actor")
+# How the coordinator's per-step draft call reaches the draft-group actor (separated): a Ray actor call, or one
+# blocking socket the actor opens through Ray (cluster/serving/control/socket_channel.py; docs/cluster.md)
+DRAFT_CHANNELS = ("ray", "socket")
 
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -161,6 +164,7 @@ class StreamSpec:
 @dataclass(frozen=True)
 class ClusterSpec:
     topology: str = "separated"
+    draft_channel: str = "ray"        # the draft-group actor's per-step calls: DRAFT_CHANNELS
     target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
     tp_size: int = 1                  # target ranks (one placement group)
     tp_strategy: str = "auto"         # that group's Ray strategy (TP_STRATEGIES)
@@ -194,8 +198,8 @@ class ClusterSpec:
 
     def validate(self, path: str) -> None:
         for name, choices in (("target_placement", TARGET_PLACEMENTS), ("topology", TOPOLOGIES),
-                              ("tp_strategy", TP_STRATEGIES), ("proxy_location", PROXY_LOCATIONS),
-                              ("backend", BACKENDS)):
+                              ("draft_channel", DRAFT_CHANNELS), ("tp_strategy", TP_STRATEGIES),
+                              ("proxy_location", PROXY_LOCATIONS), ("backend", BACKENDS)):
             check_config_choice(f"{path}.{name}", getattr(self, name), choices)
         for name, low, high in (("tp_size", 1, 1024),
                                 ("replicas", 1, 1024), ("grpc_port", 1, 65535), ("http_port", 1, 65535),

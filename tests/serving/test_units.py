@@ -155,6 +155,7 @@ def test_configs_cluster_sections():
 
 @pytest.mark.parametrize("section,words", [
     ({"topology": "mesh"}, ["cluster.topology", "mesh"]),
+    ({"draft_channel": "grpc"}, ["cluster.draft_channel", "ray, socket", "grpc"]),
     ({"tp_size": 0}, ["cluster.tp_size", "[1, 1024]", "0"]),
     ({"backend": "mpi"}, ["cluster.backend", "mpi"]),
     ({"target": {"num_cpus": -1}}, ["cluster.target.num_cpus", "-1"]),
