@@ -41,6 +41,7 @@ class CallTiming:
     misses: int = 0
     hit_calls: int = 0           # calls that used a pre-drafted block, and their compute
     hit_compute_s: float = 0.0
+    disordered: int = 0          # calls whose stamps were not sent <= entry <= exit <= received (clocks differ)
 
     @property
     def rpc_s(self) -> float:
@@ -55,6 +56,7 @@ class CallTiming:
             self.request_s += st.entry - sent
             self.actor_s += st.exit - st.entry
             self.reply_s += received - st.exit
+            self.disordered += not sent <= st.entry <= st.exit <= received
         self.wait_s += st.wait_s
         self.hits += st.hits
         self.misses += st.misses
