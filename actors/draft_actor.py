@@ -10,9 +10,12 @@ whatever the cascade's depth.  Drafters are small: they fit one process (on GPUs
 Overlap: after answering a ``draft_batch`` call, the actor pre-drafts every request's next block in a
 background thread (:meth:`DraftSide.predraft`) while the coordinator's target verifies the block it just
 got; the next call waits for that thread first, so the draft side's state is only ever touched by one
-thread at a time.  Through a Ray actor call (:meth:`DraftHost.step`) the thread starts before Ray serialises
+thread at a time -- unless the call's bookkeeping shows that no block being drafted can be used (a rejection:
+:meth:`DraftSide.could_use`), when it tells the thread to give up at its next drafting round and waits only
+for that.  Through a Ray actor call (:meth:`DraftHost.step`) the thread starts before Ray serialises
 and sends the reply (Ray does that after the method returns), so the two share the GIL; through the socket
-channel (:meth:`DraftHost.open_socket`, :mod:`actors.socket_link`) it starts after the reply has left.  Calls addressed to one drafter (``StepCall.member``: strategies that drive a drafter
+channel (:meth:`DraftHost.open_socket`, :mod:`actors.socket_link`) it starts after the reply has left.
+Calls addressed to one drafter (``StepCall.member``: strategies that drive a drafter
 directly, e.g. speculative cascades) run on that drafter's handle.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ class DraftHost:
         self._predraft: threading.Thread | None = None
         self.predraft_s = self.wait_s = 0.0     # background seconds pre-drafting; calls' seconds waiting on it
         self._socket: SocketServer | None = None
+        self._give_up = threading.Event()
 
     def info(self) -> dict:
         return dict(self.side.capabilities(), members={n: h.capabilities() for n, h in self.side.members.items()})
@@ -56,7 +60,10 @@ class DraftHost:
     def answer(self, call: StepCall):
         """-> (packed result, StepTime): waiting for the last pre-draft (``wait_s``) is not compute."""
         t0 = stamp()
+        if self._predraft is not None and call.member is None and not self.side.could_use(call.ops):
+            self._give_up.set()                 # no block being drafted can be used: stop at the next round
         self._join()
+        self._give_up.clear()
         t1 = stamp()
         hits, misses = self.side.hits, self.side.misses
         handle = self.side if call.member is None else self.side.members[call.member]
@@ -82,7 +89,7 @@ class DraftHost:
     def _run_predraft(self) -> None:
         t0 = stamp()
         try:
-            self.side.predraft()
+            self.side.predraft(stop=self._give_up.is_set)
         except Exception:                       # noqa: BLE001 - a failed pre-draft only loses its head start
             pass
         self.predraft_s += stamp() - t0

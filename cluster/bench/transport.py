@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from multiprocessing.connection import Client
+import tempfile
+import threading
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
-
-from actors.socket_link import SocketServer
 
 from cluster.bench.hops import unit_hops
 from cluster.bench.report import print_table, write_results
@@ -47,16 +47,21 @@ class Echo:
     def pid(self) -> int:
         return os.getpid()
 
-    # the socket transport's host side (actors.socket_link): answer, then nothing to do after the reply
-    def answer(self, args):
-        return self.call(args), None
-
-    def after_reply(self) -> None:
-        pass
-
     def open_socket(self, authkey: bytes):
-        self._server = SocketServer(self, same_node=True, authkey=authkey)
-        return self._server.address, self._server.family
+        """Answer calls on a Unix socket, as :mod:`actors.socket_link` does (the same stdlib framing: a pickle
+        per message each way, both ends blocking), in a thread; returns its address."""
+        listener = Listener(os.path.join(tempfile.mkdtemp(prefix="specserve-bench-"), "echo.sock"), "AF_UNIX",
+                            authkey=authkey)
+
+        def serve():
+            with listener.accept() as conn:
+                while True:
+                    try:
+                        conn.send(self.call(conn.recv()))
+                    except EOFError:
+                        return
+        threading.Thread(target=serve, daemon=True).start()
+        return listener.address
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -106,12 +111,11 @@ def run(args, cfg) -> int:
         pid = ray.get(actor.pid.remote())
         rows.append({"transport": "actor call", **_measure(lambda a: ray.get(actor.call.remote(a)), pid, n)})
         key = os.urandom(32)
-        address, family = ray.get(actor.open_socket.remote(key))
-        conn = Client(address, family=family, authkey=key)
+        conn = Client(ray.get(actor.open_socket.remote(key)), "AF_UNIX", authkey=key)
 
         def over_socket(a):
             conn.send(a)
-            return conn.recv()[1]
+            return conn.recv()
         rows.append({"transport": "blocking socket", **_measure(over_socket, pid, n)})
         conn.close()
         with InputNode() as inp:
