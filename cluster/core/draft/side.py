@@ -244,7 +244,8 @@ class DraftSide(BatchedHandle):
                 st = self._reqs[run.rid]
                 dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
                               self._holder(st), committed=st.seq)
-                gens[run.key], rids[run.key] = run_program(run.spec, dc, run.work, run.limit), run.rid
+                gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=stop is not None)
+                rids[run.key] = run.rid
         done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop)}
         return [done[run.key] for run in runs]
 
