@@ -46,6 +46,7 @@ class DraftHost:
         self.predraft_s = self.wait_s = 0.0     # background seconds pre-drafting; calls' seconds waiting on it
         self._socket: SocketServer | None = None
         self._give_up = threading.Event()
+        self.given_up = 0                       # pre-drafts told to give up (the call showed a rejection)
 
     def info(self) -> dict:
         return dict(self.side.capabilities(), members={n: h.capabilities() for n, h in self.side.members.items()})
@@ -62,6 +63,7 @@ class DraftHost:
         t0 = stamp()
         if self._predraft is not None and call.member is None and not self.side.could_use(call.ops):
             self._give_up.set()                 # no block being drafted can be used: stop at the next round
+            self.given_up += 1
         self._join()
         self._give_up.clear()
         t1 = stamp()
@@ -103,7 +105,8 @@ class DraftHost:
 
     def stats(self) -> dict:
         """Pre-drafted blocks used / dropped, and background seconds (the benchmark reads them)."""
-        return dict(hits=self.side.hits, misses=self.side.misses, predraft_s=self.predraft_s, wait_s=self.wait_s)
+        return dict(hits=self.side.hits, misses=self.side.misses, predraft_s=self.predraft_s, wait_s=self.wait_s,
+                    given_up=self.given_up)
 
     def active_requests(self) -> list[str]:
         return self.side.active_requests()
