@@ -147,8 +147,9 @@ class _GivesUp(DraftSide):
         return out
 
 
-@pytest.mark.parametrize("strategy,opts", [("cs_drafting", dict(drafters="large,small,mag", kmatrix="1,0,0;0,1,0;0,0,2")),
-                                           ("speculative", dict(drafter="large", k=4))])
+@pytest.mark.parametrize("strategy,opts", [
+    ("cs_drafting", dict(drafters="large,small,mag", kmatrix="1,0,0;0,1,0;0,0,2")),
+    ("speculative", dict(drafter="large", k=4))])
 @pytest.mark.parametrize("after", [1, 2, 3])
 def test_a_predraft_given_up_between_rounds_leaves_the_drafters_consistent(strategy, opts, after):
     """CS Drafting (several drafter rounds per block) and one drafter (a stoppable pre-draft proposes one token

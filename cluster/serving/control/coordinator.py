@@ -50,7 +50,9 @@ class Coordinator:
         (:func:`cluster.engine.measure.build_planner`: measured now through the unit's handles, round trips
         included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
-        self.cfg, self.topology = cfg, topology or cfg.cluster.topology
+        self.cfg, self.topology = cfg, topology or cfg.cluster.placement()[0]
+        if topology is None:
+            log.info("topology %s (%s)", self.topology, cfg.cluster.placement()[1])
         self.entries, models, self.tokenizer, self._channels = build_unit(cfg, self.topology)
         if planner is None:    # the in-process root's planner, its costs measured through these handles
             planner = build_planner(models.handles, cfg.target, cfg.drafters, cfg.engine)

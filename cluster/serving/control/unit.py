@@ -45,7 +45,7 @@ def build_unit(cfg: Config, topology: str | None = None):
     """Start the actors of one unit; returns (entries by name, the engine's :class:`ModelSet`, tokenizer,
     channels to close)."""
     cl = cfg.cluster
-    separated = (topology or cl.topology) == "separated"
+    separated = (topology or cl.placement()[0]) == "separated"
     entries: dict[str, ModelEntry] = {}
     # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
     started: dict[str, tuple] = {}
