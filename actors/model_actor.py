@@ -9,11 +9,9 @@ unit of three or four actors on a small CPU box cannot afford; see docs/cluster.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-from actors.protocol import StepCall, apply
+from actors.protocol import StepCall, StepTime, apply, stamp
 from cluster.models.build import build_handle
 
 MAX_RESTARTS = 10      # a model actor that dies is restarted by Ray (empty: its requests re-prefill it)
@@ -31,10 +29,11 @@ class ModelHost:
         return self.worker.capabilities()
 
     def step(self, call: StepCall):
-        """-> (packed result of the call's method, compute seconds)."""
-        t0 = time.perf_counter()
+        """-> (packed result of the call's method, :class:`actors.protocol.StepTime`)."""
+        t0 = stamp()
         out = apply(self.worker, call)
-        return out, time.perf_counter() - t0
+        t1 = stamp()
+        return out, StepTime(t1 - t0, t0, t1)
 
     def active_requests(self) -> list[str]:
         return self.worker.active_requests()

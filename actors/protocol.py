@@ -3,7 +3,8 @@
 One engine step costs one round trip per model: :class:`StepCall` carries the bookkeeping calls that
 return nothing (:data:`OPS`: rollback / extend / release, queued by the caller since the last call, in
 order) and then at most one batched method (:data:`METHODS`) over all of the step's requests for that
-model.  The actor answers ``(result, compute seconds)``.  Tensors travel as numpy arrays
+model.  The actor answers ``(result, StepTime)``: its compute seconds and where the call was on the host's
+clock (:class:`StepTime`).  Tensors travel as numpy arrays
 (:func:`pack` / :func:`unpack`): Ray serialises those out of band.
 
 A call is addressed to the actor's hosted handle, or (``member``) to one drafter hosted beside it: the
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +39,27 @@ class StepCall:
     method: str | None = None                                          # one of METHODS, or None (ops only)
     items: list = field(default_factory=list)                          # the method's per-request items
     member: str | None = None                                          # a drafter beside the hosted handle
+
+
+def stamp() -> float:
+    """The clock every per-hop stamp is read from: ``time.monotonic``, ``CLOCK_MONOTONIC`` on Linux -- one clock for
+    every process of a host (not per process), so a caller subtracts an actor's stamps from its own.  Stamps of
+    processes on different hosts are not comparable (the benchmarks run on one)."""
+    return time.monotonic()
+
+
+class StepTime(NamedTuple):
+    """Where one call went on the model's side.  ``entry`` / ``exit``: :func:`stamp` when the host began and ended
+    the call (its reply not yet serialised); ``wait_s``: of that, waiting for the host's own background work
+    (the draft host's pre-draft) before computing; ``compute_s``: running the call; ``hits`` / ``misses``:
+    pre-drafted blocks this call used / dropped (the draft host)."""
+
+    compute_s: float
+    entry: float = 0.0
+    exit: float = 0.0
+    wait_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
 
 
 class StateLostError(RuntimeError):

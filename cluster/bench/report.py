@@ -136,3 +136,22 @@ def save_concurrency_plot(fig, panels, levels: list[int], xlabel: str, path: Pat
 def pct(xs: list[float], q: float) -> float:
     """The q-th percentile of ``xs`` (0 for none)."""
     return float(np.percentile(xs, q)) if xs else 0.0
+
+
+HOP_COLUMNS = ("draft_calls", "draft_ms", "request_hop_ms", "actor_ms", "wait_ms", "compute_ms", "reply_hop_ms",
+               "beyond_compute_ms", "hit_share", "hit_compute_ms", "miss_compute_ms", "disordered")
+
+
+def hop_columns(t: dict | None) -> dict:
+    """A draft-call total (``CallTiming`` as a dict) -> per-call milliseconds by hop; {} without calls."""
+    if not t or not t.get("calls"):
+        return {}
+    n, hit_n = t["calls"], t["hit_calls"]
+
+    def ms(seconds: float, over: int = n):
+        return round(1e3 * seconds / over, 3) if over else None
+    return {"draft_calls": n, "draft_ms": ms(t["wall_s"]), "request_hop_ms": ms(t["request_s"]),
+            "actor_ms": ms(t["actor_s"]), "wait_ms": ms(t["wait_s"]), "compute_ms": ms(t["compute_s"]),
+            "reply_hop_ms": ms(t["reply_s"]), "beyond_compute_ms": ms(t["wall_s"] - t["compute_s"]),
+            "hit_share": round(hit_n / n, 3), "hit_compute_ms": ms(t["hit_compute_s"], hit_n),
+            "miss_compute_ms": ms(t["compute_s"] - t["hit_compute_s"], n - hit_n), "disordered": t["disordered"]}

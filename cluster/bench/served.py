@@ -1,5 +1,5 @@
 """``specserve bench --suite served``: every strategy as a user meets it, through gRPC, vs concurrency,
-unary and streamed side by side, in both topologies.
+unary and streamed side by side, in both topologies (the separated one per draft channel with ``--channels``).
 
 The suite starts its own cluster: a local Ray (unless the caller already started one) and the Serve
 application of the config (:func:`cluster.serving.fronts.app.start_serve`) once per topology (``--topologies``,
@@ -22,7 +22,9 @@ generates the same number of tokens.  One untimed warm-up request per row and mo
 Per cell: output tokens/s (generated tokens / wall time of the cell, first submit to last chunk), its
 ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same row, TTFT p50/p99 (streamed
 only: submit -> first chunk with tokens), TPOT p50/p99
-(per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status.  At ``c = 1`` each row also
+(per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status, and where the draft side has its
+own actor the draft call's hops (:func:`cluster.bench.hops.hop_columns`: round trip, request hop, the actor's
+wait and compute, reply hop, pre-draft hit share), read from the replica after each cell.  At ``c = 1`` each row also
 runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
 counts) right after its served cell, for the ``cluster_vs_in_process`` column.  Every greedy output, served
 and in-process, is checked against autoregressive's for the same prompt; any mismatch is printed and makes
@@ -41,6 +43,7 @@ from tqdm import tqdm
 from cluster.bench.load import parse_concurrency
 from cluster.bench.served_cells import Cell, in_process_cell, served_cell
 from cluster.bench.served_report import report
+from cluster.config.layout import DRAFT_CHANNELS
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
@@ -159,12 +162,26 @@ class Plan:
     per_cell: int | None = None      # requests per cell, at least c (when no requests per client is given)
 
 
-def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar, start: float) -> int:
-    """Serve ``cfg`` in ``topology``, run its cells (the in-process c = 1 cells too, on the first topology);
-    returns how many cells the time limit left out.  Serve is shut down before returning, whatever happens."""
+def _draft_timing(scfg) -> dict | None:
+    """The replica's draft-call totals since the last call (which this resets); None when colocated."""
     from ray import serve
+    try:
+        return serve.get_app_handle(scfg.cluster.app_name).draft_timing.remote(True).result(timeout_s=60)
+    except Exception as e:                   # noqa: BLE001 - the table then has no hop columns for the cell
+        print(f"[bench served: draft timing not read: {type(e).__name__}: {e}]")
+        return None
+
+
+def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, start: float) -> int:
+    """Serve ``cfg`` in the topology ``label`` names (``separated+socket``: with that draft channel), run its cells
+    (the in-process c = 1 cells too, on the first topology); returns how many cells the time limit left out.
+    Serve is shut down before returning, whatever happens."""
+    from ray import serve
+    topology, _, channel = label.partition("+")
     scfg = served_config(cfg, topology)
-    client, skipped, first = None, 0, topology == plan.topologies[0]
+    if channel:
+        scfg = dataclasses.replace(scfg, cluster=dataclasses.replace(scfg.cluster, draft_channel=channel))
+    client, skipped, first = None, 0, label == plan.topologies[0]
     try:
         t0 = time.perf_counter()
         start_serve(scfg)
@@ -172,7 +189,7 @@ def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar,
         client = SpecServeClient(address, app=scfg.cluster.app_name, timeout=REQUEST_TIMEOUT_S, api_key="")
         client.wait_ready(READY_TIMEOUT_S)
         print(f"[bench served: cluster up at {address} in {time.perf_counter() - t0:.1f}s "
-              f"(topology {topology}, engine.max_batch {cfg.engine.max_batch})]")
+              f"(topology {label}, engine.max_batch {cfg.engine.max_batch})]")
         for name in plan.rows:               # warm-up, untimed: one short request per row, mode and runtime
             strategy, opts = specs[name]
             for mode in plan.modes:
@@ -188,10 +205,12 @@ def _measure_topology(cfg, topology: str, plan: Plan, specs, engine, cells, bar,
                     if time.perf_counter() - start > plan.time_limit:
                         skipped += 1
                         continue
-                    bar.set_postfix_str(f"{topology} c={c} {name} {mode}")
+                    bar.set_postfix_str(f"{label} c={c} {name} {mode}")
+                    _draft_timing(scfg)                  # reset: the cell's draft calls only
                     recs, secs = served_cell(client, plan.prompts, n, c, plan.max_new, strategy, opts,
                                              stream=mode == "streamed")
-                    cells[(f"{topology}/{mode}", name, c)] = Cell(name, c, f"{topology}/{mode}", recs, secs)
+                    cells[(f"{label}/{mode}", name, c)] = Cell(name, c, f"{label}/{mode}", recs, secs,
+                                                               _draft_timing(scfg))
                     bar.update()
                 if c == 1 and first and time.perf_counter() - start <= plan.time_limit:   # in-process, same prompts
                     bar.set_postfix_str(f"c=1 {name} in-process")
@@ -224,6 +243,10 @@ def _plan(args, cfg, engine) -> Plan:
     time_limit = check_float("time_limit", getattr(args, "time_limit", None) or DEFAULT_TIME_LIMIT_S, 1.0, 1e6)
     modes = parse_choices("modes", getattr(args, "modes", None) or ",".join(MODES), MODES)
     topologies = parse_choices("topologies", getattr(args, "topologies", None) or ",".join(TOPOLOGIES), TOPOLOGIES)
+    if getattr(args, "channels", None):      # the separated unit once per draft channel: separated+ray, ...
+        channels = parse_choices("channels", args.channels, DRAFT_CHANNELS)
+        topologies = [f"{t}+{ch}" for t in topologies for ch in (channels if t == "separated" else [""])]
+        topologies = [t.rstrip("+") for t in topologies]
     wanted = parse_strategies(getattr(args, "strategies", None) or ",".join(ROWS))
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
     rows = servable(engine, row_specs(cfg), wanted)

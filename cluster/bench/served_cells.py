@@ -33,6 +33,7 @@ class Cell:
     runtime: str
     recs: list[Rec]
     seconds: float
+    hops: dict | None = None          # the draft call's totals in the cell (CallTiming as a dict), separated only
 
     @property
     def streamed(self) -> bool:
@@ -124,7 +125,7 @@ def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tu
     for j in range(n):
         rec = Rec(time.perf_counter(), prompt=j % len(prompts))
         try:
-            res = engine.generate(_request(prompts[rec.prompt], max_new, strategy, opts, j))
+            res = engine.generate(greedy_request(prompts[rec.prompt], max_new, strategy, opts, j))
             rec.token_ids = list(res.token_ids)
         except ParamError as e:
             rec.error = type(e).__name__
@@ -135,6 +136,7 @@ def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tu
     return recs, total
 
 
-def _request(ids, max_new, strategy, opts, seed) -> GenerationRequest:
+def greedy_request(ids, max_new, strategy, opts, seed) -> GenerationRequest:
+    """A greedy request of exactly ``max_new`` tokens (``ignore_eos``)."""
     return GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new, sampling=SamplingParams(0.0),
                              seed=seed, strategy=strategy, options=dict(opts), ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cluster.bench.projection import project
-from cluster.bench.report import pct, print_table, save_concurrency_plot, write_results
+from cluster.bench.report import hop_columns, pct, print_table, save_concurrency_plot, write_results
 
 MAX_PRINTED_MISMATCHES = 20
 
@@ -71,7 +71,8 @@ def make_table(cells, rows, levels, mismatches, runtimes) -> list[dict]:
                     "cluster_vs_in_process": _ratio(m, ip),
                     "mismatches": bad.get((runtime, name, c), 0),
                     "failures": sum(fails.values()),
-                    "failed_by_status": " ".join(f"{k}:{v}" for k, v in sorted(fails.items())) or None})
+                    "failed_by_status": " ".join(f"{k}:{v}" for k, v in sorted(fails.items())) or None,
+                    **hop_columns(m.hops)})
     return table
 
 

@@ -1,23 +1,33 @@
-"""``specserve bench --suite transport``: what a per-step call to another process costs through Ray, as a plain
-actor call (what :mod:`cluster.serving.control.remote` uses) and as a Ray Compiled Graph (``experimental_compile``,
-shared-memory channels; what vLLM's Ray executor uses between pipeline stages).
+"""``specserve bench --suite transport``: what a per-step call to another process costs, as a plain Ray actor call
+(:class:`cluster.serving.control.ray_channel.RayChannel`), over a blocking socket the actor opened through Ray
+(:class:`cluster.serving.control.socket_channel.SocketChannel`) and as a Ray Compiled Graph
+(``experimental_compile``, shared-memory channels; what vLLM's Ray executor uses between pipeline stages).
 
 Per transport and payload (32 B: a greedy draft block of 4; 64 KiB: one row of k = 4 float32 logits at
 V = 4,096): the round trip's median and p90 over ``--prompts`` x 100 calls to an actor that echoes, and the CPU
 each side burns -- per wall second while no call is in flight (idle), and per second the caller waits on a
 call that takes 20 ms (a drafting step) -- read from /proc for the actor and from the caller's own clock.
 
-This is the measurement behind the choice of plain actor calls (docs/cluster.md, "Where a served step goes"):
-a compiled graph answers ~20x faster, but both of its ends poll a full core while they wait, which a machine
-whose coordinator, draft actor, Serve proxy and clients share two cores cannot give.
+This is the measurement behind the choice of transports (docs/cluster.md, "Where a served step goes"): a
+compiled graph answers ~20x faster than an actor call, but both of its ends poll a full core while they wait,
+which a machine whose coordinator, draft actor, Serve proxy and clients share two cores cannot give; a blocking
+socket (``cluster.draft_channel: socket``) answers fast and burns nothing while it waits.
+
+Then, where the config has drafters, the real thing (:mod:`cluster.bench.hops`): the per-step draft call's hops
+in a separated unit on the config's family, per draft channel (``--channels``, default ray,socket), against the
+same step in-process.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
+import tempfile
+import threading
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
+from cluster.bench.hops import unit_hops
 from cluster.bench.report import print_table, write_results
 from cluster.errors import check_int
 
@@ -36,6 +46,22 @@ class Echo:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def open_socket(self, authkey: bytes):
+        """Answer calls on a Unix socket, as :mod:`actors.socket_link` does (the same stdlib framing: a pickle
+        per message each way, both ends blocking), in a thread; returns its address."""
+        listener = Listener(os.path.join(tempfile.mkdtemp(prefix="specserve-bench-"), "echo.sock"), "AF_UNIX",
+                            authkey=authkey)
+
+        def serve():
+            with listener.accept() as conn:
+                while True:
+                    try:
+                        conn.send(self.call(conn.recv()))
+                    except EOFError:
+                        return
+        threading.Thread(target=serve, daemon=True).start()
+        return listener.address
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -84,6 +110,14 @@ def run(args, cfg) -> int:
         actor = ray.remote(Echo).options(num_cpus=0, max_concurrency=2).remote()
         pid = ray.get(actor.pid.remote())
         rows.append({"transport": "actor call", **_measure(lambda a: ray.get(actor.call.remote(a)), pid, n)})
+        key = os.urandom(32)
+        conn = Client(ray.get(actor.open_socket.remote(key)), "AF_UNIX", authkey=key)
+
+        def over_socket(a):
+            conn.send(a)
+            return conn.recv()
+        rows.append({"transport": "blocking socket", **_measure(over_socket, pid, n)})
+        conn.close()
         with InputNode() as inp:
             dag = actor.call.bind(inp)
         compiled = dag.experimental_compile()
@@ -93,9 +127,19 @@ def run(args, cfg) -> int:
         finally:
             compiled.teardown()
         ray.kill(actor)
+        print_table(rows, f"per-step call to another process through Ray ({n} calls per payload)")
+        write_results(rows, Path(args.out or "bench_out"), "bench_transport")
+        if cfg.drafters or cfg.mag is not None:
+            hops = unit_hops(args, cfg)
+            print_table(hops, f"the draft call's hops: {cfg.source}, separated unit vs in-process, c = 1, greedy, "
+                              f"{args.prompts} held-out prompts x {args.max_new_tokens} tokens; ms per draft call "
+                              f"(step_ms per target forward)")
+            write_results(hops, Path(args.out or "bench_out"), "bench_transport_hops")
+            bad = sum(r["mismatches"] for r in hops)
+            print(f"lossless (greedy): {'every output equals autoregressive' if not bad else f'{bad} MISMATCHES'}")
+            if bad:
+                return 1
     finally:
         if started:
             ray.shutdown()
-    print_table(rows, f"per-step call to another process through Ray ({n} calls per payload)")
-    write_results(rows, Path(args.out or "bench_out"), "bench_transport")
     return 0

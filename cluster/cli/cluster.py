@@ -115,7 +115,8 @@ def cmd_up(args) -> int:
     import ray
     ray.init(address=address, namespace="specserve", include_dashboard=False,
              runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
-    print(f"specserve: deploying {cfg.source} (topology {cl.topology}, tp_size {cl.tp_size}, "
+    topology, why = cl.placement()
+    print(f"specserve: deploying {cfg.source} (topology {topology}: {why}, tp_size {cl.tp_size}, "
           f"replicas {cl.replicas}) ...", file=sys.stderr)
     try:
         start_serve(cfg, address=address)

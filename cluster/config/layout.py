@@ -4,7 +4,9 @@ A serving unit = a coordinator (the Serve replica running :class:`cluster.engine
 drafters and its target group.  Serve replicas scale whole units (``replicas``, or ``autoscaling``).
 
 Topologies (where the drafters run):
-  * ``separated`` (default) -- every drafter and the Max-Gram drafter in one draft-group actor behind the draft
+  * ``auto`` (default) -- chosen from the hardware by :meth:`ClusterSpec.placement`: ``separated`` where the draft
+    side has a device of its own (``drafters.num_gpus > 0``), ``colocated`` where it would share CPU cores.
+  * ``separated`` -- every drafter and the Max-Gram drafter in one draft-group actor behind the draft
     side: one round trip per step for the whole draft block.
   * ``colocated`` -- the drafters inside the coordinator process (small models: no call per draft).
 The target (``target_placement``) runs in the coordinator's process by default, or as an actor, or as a
@@ -18,11 +20,15 @@ from dataclasses import dataclass, field
 
 from cluster.errors import ConfigError, check_config_choice
 
-TOPOLOGIES = ("separated", "colocated")   # drafters in their own actors, or inside the coordinator
+# from the hardware (ClusterSpec.placement); drafters in their own actor, or inside the coordinator
+TOPOLOGIES = ("auto", "separated", "colocated")
 # Where a single-rank target runs: in the coordinator's process, so the step loop and verification sit where the
 # target's logits are and only drafts cross processes (the fewest bytes: no [L+1, V] logits per request and
 # step), or in an actor of its own (isolates it; costs a round trip per step).  A TP target is always actors.
 TARGET_PLACEMENTS = ("coordinator", "actor")
+# How the coordinator's per-step draft call reaches the draft-group actor (separated): a Ray actor call, or one
+# blocking socket the actor opens through Ray (cluster/serving/control/socket_channel.py; docs/cluster.md)
+DRAFT_CHANNELS = ("ray", "socket")
 
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -160,7 +166,8 @@ class StreamSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    topology: str = "separated"
+    topology: str = "auto"
+    draft_channel: str = "ray"        # the draft-group actor's per-step calls: DRAFT_CHANNELS
     target_placement: str = "coordinator"   # tp_size 1: the target in the coordinator's process, or an actor
     tp_size: int = 1                  # target ranks (one placement group)
     tp_strategy: str = "auto"         # that group's Ray strategy (TP_STRATEGIES)
@@ -194,8 +201,8 @@ class ClusterSpec:
 
     def validate(self, path: str) -> None:
         for name, choices in (("target_placement", TARGET_PLACEMENTS), ("topology", TOPOLOGIES),
-                              ("tp_strategy", TP_STRATEGIES), ("proxy_location", PROXY_LOCATIONS),
-                              ("backend", BACKENDS)):
+                              ("draft_channel", DRAFT_CHANNELS), ("tp_strategy", TP_STRATEGIES),
+                              ("proxy_location", PROXY_LOCATIONS), ("backend", BACKENDS)):
             check_config_choice(f"{path}.{name}", getattr(self, name), choices)
         for name, low, high in (("tp_size", 1, 1024),
                                 ("replicas", 1, 1024), ("grpc_port", 1, 65535), ("http_port", 1, 65535),
@@ -231,6 +238,19 @@ class ClusterSpec:
         if self.backend == "nccl" and self.target.num_gpus < 1 and self.tp_size > 1:
             raise ConfigError(f"{path}.backend: nccl needs target.num_gpus >= 1 per rank, "
                               f"got {self.target.num_gpus}")
+
+    def placement(self) -> tuple[str, str]:
+        """(``separated`` or ``colocated``, why): the topology ``auto`` stands for, decided here only.  Where the
+        draft side has a device of its own (``drafters.num_gpus > 0``: GPU nodes) drafting in its own actor runs
+        beside verification; where it has none, the draft actor shares the CPU cores verification, Serve's proxy
+        and the clients use, and on the 2-core development machine in-process drafting was measured faster
+        (docs/cluster.md, "The draft call's hops, per channel"; issue 32's speculator is what would change that)."""
+        if self.topology != "auto":
+            return self.topology, "named in the config"
+        if self.drafters.num_gpus > 0:
+            return "separated", "auto: the draft side has a device of its own (drafters.num_gpus > 0)"
+        return "colocated", ("auto: the draft side has no device of its own (drafters.num_gpus = 0), and on shared "
+                             "CPU cores a draft actor costs more than it hides")
 
     def tp_placement(self) -> str:
         """The TP group's placement-group strategy: one node (STRICT_PACK) for GPUs unless asked otherwise."""

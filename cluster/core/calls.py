@@ -153,6 +153,10 @@ def group_calls(pending: dict[Any, ModelCall], target: str | None = None) -> dic
     return groups
 
 
+class Stopped(Exception):
+    """The result of a generator :func:`drive` closed because its caller asked it to stop."""
+
+
 def advance(key, gen, value, pending: dict, done: dict) -> None:
     """Send ``value`` into generator ``gen``: its next call goes to ``pending[key]``, its return value (or the
     exception it raised: it fails that request only) to ``done[key]``."""
@@ -166,9 +170,12 @@ def advance(key, gen, value, pending: dict, done: dict) -> None:
 
 def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str], *, target: str | None = None,
           group_failed: Callable[[str, Exception], None] | None = None,
-          redo: Callable[[Hashable, str, BaseException], Any] | None = None) -> dict[Hashable, Any]:
+          redo: Callable[[Hashable, str, BaseException], Any] | None = None,
+          stop: Callable[[], bool] | None = None) -> dict[Hashable, Any]:
     """Run the generators ``gens`` (key -> generator of model calls) to their end together; -> key -> the
-    generator's return value, or the exception that failed it.
+    generator's return value, or the exception that failed it.  ``stop``: asked before each round; once true,
+    every generator still pending is closed with :class:`Stopped` as its result (between rounds every generator
+    waits at a call not yet made, so the models hold exactly what the generators recorded).
 
     Each round runs every pending call grouped per (model, kind) as one batched call on ``handles[model]``
     (``target``: see :func:`group_calls`).  A group whose call raises fails its generators; ``group_failed``
@@ -180,6 +187,11 @@ def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str],
     for key, gen in gens.items():
         advance(key, gen, None, pending, done)
     while pending:
+        if stop is not None and stop():
+            for key in pending:
+                gens[key].close()
+                done[key] = Stopped()
+            break
         for (model, kind), keys in group_calls(pending, target).items():
             try:
                 results = run_group(handles[model], kind, [(rid_of(k), pending[k]) for k in keys])

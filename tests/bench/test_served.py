@@ -47,6 +47,11 @@ def test_served_suite_end_to_end(tmp_path):
             assert r["in_process_tok_s"] > 0 and r["cluster_vs_in_process"] > 0, r
         if r["strategy"] == "autoregressive":
             assert r["vs_autoregressive"] == 1.0
+        if r["topology"] == "separated" and r["strategy"] != "autoregressive":   # the draft call's hops
+            assert r["draft_calls"] > 0 and r["disordered"] == 0, r
+            assert r["draft_ms"] >= r["compute_ms"] > 0 and r["request_hop_ms"] > 0 and r["reply_hop_ms"] > 0, r
+        if r["topology"] == "colocated":
+            assert r.get("draft_calls") is None, r
     summary = json.loads((tmp_path / "bench_served_summary.json").read_text())
     assert [(s["topology"], s["c"]) for s in summary] == [(t, c) for t in ("separated", "colocated") for c in (1, 2)]
     for s in summary:

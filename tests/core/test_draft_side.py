@@ -125,3 +125,69 @@ def test_spec_change_or_a_rejection_drops_the_predraft():
     assert side.misses == 1 and side.hits == 0
     side.release("r")
     assert not d.seqs and not side.active_requests()
+
+
+class _GivesUp(DraftSide):
+    """The draft host's pattern in one thread: pre-draft after each answer, told to give up at its ``after``-th
+    question (between drafting rounds), as the host does when the next call shows a rejection."""
+
+    def __init__(self, members, after: int):
+        super().__init__(members, overlap=True, deferred=True)
+        self.after, self.stopped = after, 0
+
+    def draft_batch(self, items):
+        out = super().draft_batch(items)
+        asked = [0]
+
+        def stop() -> bool:
+            asked[0] += 1
+            self.stopped += asked[0] == self.after
+            return asked[0] >= self.after
+        self.predraft(stop=stop)
+        return out
+
+
+@pytest.mark.parametrize("strategy,opts", [
+    ("cs_drafting", dict(drafters="large,small,mag", kmatrix="1,0,0;0,1,0;0,0,2")),
+    ("speculative", dict(drafter="large", k=4))])
+@pytest.mark.parametrize("after", [1, 2, 3])
+def test_a_predraft_given_up_between_rounds_leaves_the_drafters_consistent(strategy, opts, after):
+    """CS Drafting (several drafter rounds per block) and one drafter (a stoppable pre-draft proposes one token
+    per round) whose every pre-draft is stopped after ``after`` - 1 rounds: greedy output still equals the
+    target's, nothing is left on any drafter (what each drafter holds matches what the draft side recorded,
+    else its next sync would diverge)."""
+    models = {"large": TabularModel("large", 5, seed=101), "small": TabularModel("small", 5, seed=202),
+              "mag": MagHandle(5, np.array([1, 2, 3, 4, 0]))}
+    side = _GivesUp(models, after)
+    engine = local_engine({"target": TabularModel("target", 5, seed=3), **models, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2, 0], max_new_tokens=30, sampling=SamplingParams(0.0), seed=0, ignore_eos=True)
+    want = local_engine({"target": TabularModel("target", 5, seed=3)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    assert engine.generate(GenerationRequest(strategy=strategy, options=opts, **req)).token_ids == want
+    assert side.stopped > 0 and side.hits == 0
+    assert not side.active_requests() and all(not m.seqs for m in (models["large"], models["small"]))
+
+
+def test_a_stoppable_predraft_drafts_the_same_block_token_by_token():
+    """Not stopped, a pre-draft proposed one token per round is the block one call of k would have given: a
+    drafter equal to the target still has every later block pre-drafted and used."""
+    target, twin = TabularModel("target", 5, seed=9), TabularModel("twin", 5, seed=9)
+    side = _GivesUp({"twin": twin}, after=10_000)
+    engine = local_engine({"target": target, "twin": twin, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=25, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "twin", "k": 4}, **req))
+    assert got.token_ids == want and side.hits >= 3 and side.misses == 0 and got.stats.target_forwards == 5
+
+
+def test_could_use_reads_the_next_calls_bookkeeping():
+    """A pre-draft in flight can be used only if the bookkeeping commits its whole block plus one token."""
+    side = DraftSide({"d": TabularModel("d", 4, seed=2)}, overlap=True, deferred=True)
+    side.prefill_batch([("r", [0, 1], SamplingParams(0.0), 0)])
+    (block,) = side.draft_batch([("r", DraftSpec("propose", ("d",)), 2, 10)])
+    side._drafting = {"r": [0, 1, *block.tokens]}           # as predraft sets it while it runs
+    accepted = [("rollback", "r", (2 + len(block.tokens),)), ("extend", "r", ([3],))]
+    rejected = [("rollback", "r", (3,)), ("extend", "r", ([3],))]
+    assert side.could_use(accepted) and not side.could_use(rejected)
+    assert not side.could_use([("release", "r", ())]) and not side.could_use([])

@@ -137,19 +137,34 @@ class DraftCtx:
         return self.members[name].deterministic
 
 
-def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int):
-    """The program for ``spec`` continuing committed + ``work``, at most ``limit`` tokens -> DraftBlock."""
+def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stoppable: bool = False):
+    """The program for ``spec`` continuing committed + ``work``, at most ``limit`` tokens -> DraftBlock.
+    ``stoppable``: a neural drafter's block is proposed one token per call, so that a caller driving it with
+    ``stop`` (a pre-draft, :meth:`cluster.core.draft.side.DraftSide.predraft`) can give up between tokens; the
+    tokens and rows are those of one call of ``limit`` (a drafter continues what it holds)."""
     if spec.kind == "cascade":
         toks, qs, _ = yield from CSDraftProgram(dc, spec).draft(0, list(work), limit)
         q = torch.stack(qs) if qs else None
         return pack_block(toks, q, dc.sampling, forwards=dc.forwards)
     name = spec.drafters[0]
-    dc.sync(name, work)
-    call = Propose(name, limit) if spec.kind == "propose" else \
-        ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
-    toks, logits = yield call                                             # [L], [L, V]
+    if spec.kind == "propose" and stoppable and not dc.deterministic(name):
+        toks, rows = [], []
+        while len(toks) < limit:
+            dc.sync(name, work + toks)
+            got, lg = yield Propose(name, 1)                              # [1], [1, V]
+            got = [int(t) for t in got]
+            dc.held(name, work + toks + got)
+            toks, rows = toks + got, rows + [lg]
+            if not got:
+                break
+        logits = torch.cat(rows) if rows else None
+    else:
+        dc.sync(name, work)
+        call = Propose(name, limit) if spec.kind == "propose" else \
+            ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
+        toks, logits = yield call                                         # [L], [L, V]
     toks = list(toks)
-    dc.held(name, work + toks)
+    dc.held(name, work + toks)       # (already recorded when proposed one by one)
     dc.count(name, len(toks))
     onehot = dc.deterministic(name)
     if onehot:

@@ -111,6 +111,7 @@ class DraftSide(BatchedHandle):
         self.num_params = sum(int(h.num_params) for h in self.members.values())
         self._reqs: dict[str, _Req] = {}
         self._todo: list[tuple[DraftItem, DraftBlock]] = []   # the last call's answered blocks, to pre-draft after
+        self._drafting: dict[str, list[int]] = {}   # while predraft runs: rid -> the prefix its block continues
         self.hits = self.misses = 0            # pre-drafted blocks used / dropped
 
     # -- the handle protocol ------------------------------------------------------------------------
@@ -178,8 +179,10 @@ class DraftSide(BatchedHandle):
                 self.predraft()
         return out
 
-    def predraft(self) -> None:
-        """Draft the next block of every request of the last call (see the module docstring)."""
+    def predraft(self, stop=None) -> None:
+        """Draft the next block of every request of the last call (see the module docstring).  ``stop`` (asked
+        between drafting rounds, from this thread): give up, keeping no block (the host sets it once the next
+        call shows that no block being drafted can be used, :meth:`could_use`)."""
         todo, self._todo = self._todo, []
         runs = []
         for (rid, spec, limit, budget), block in (todo if len(todo) <= self.MAX_ROWS else []):
@@ -189,10 +192,34 @@ class DraftSide(BatchedHandle):
                     not (self.sampled or st.sampling.greedy) or not st.worth_predrafting(self.MIN_HIT, self.PROBE_EVERY):
                 continue
             runs.append(_Run(len(runs), rid, spec, list(block.tokens), nxt + 1))
-        for run, pre in zip(runs, self._run(runs)):
+        self._drafting = {run.rid: self._reqs[run.rid].seq + run.work for run in runs}
+        try:
+            blocks = self._run(runs, stop)
+        finally:
+            self._drafting = {}
+        for run, pre in zip(runs, blocks):
             st = self._reqs[run.rid]
             if isinstance(pre, DraftBlock) and pre.tokens:
                 st.pre = _Pre(st.seq + run.work + pre.tokens[:1], run.spec, pre)
+
+    def could_use(self, ops) -> bool:
+        """Whether a pre-draft now running could be used once ``ops`` (the next call's ``(op, rid, args)``
+        bookkeeping: rollback / extend / release) are applied: some request's committed sequence would become the
+        pre-draft's prefix + one token (the whole block accepted, the bonus to be compared).  Read from another
+        thread while :meth:`predraft` runs; nothing is changed (the committed sequences only change in the call)."""
+        seqs = {rid: (list(self._reqs[rid].seq), list(self._reqs[rid].last)) for rid in self._drafting}
+        for op, rid, args in ops:
+            if rid not in seqs:
+                continue
+            seq, last = seqs[rid]
+            if op == "release":
+                del seqs[rid]
+            elif op == "rollback":
+                seqs[rid] = ((seq + last)[:args[0]] if args[0] > len(seq) else seq[:args[0]], [])
+            elif op == "extend":
+                seqs[rid] = (seq + list(args[0]), [])
+        return any(len(seq) == len(base) + 1 and seq[:len(base)] == base
+                   for rid, base in self._drafting.items() if rid in seqs for seq in [seqs[rid][0]])
 
     @property
     def pending(self) -> bool:
@@ -206,9 +233,9 @@ class DraftSide(BatchedHandle):
         except KeyError:
             raise UnknownRequestError(DRAFTS, rid) from None
 
-    def _run(self, runs: list[_Run]) -> list:
-        """Run the programs of ``runs`` together; in order, a block or the
-        exception that failed that request (a drafter's or a program's error fails only the requests it
+    def _run(self, runs: list[_Run], stop=None) -> list:
+        """Run the programs of ``runs`` together (``stop``: see :func:`cluster.core.calls.drive`); in order, a block
+        or the exception that failed that request (a drafter's or a program's error fails only the requests it
         touched; a drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down)."""
         failed = self._prefill_members(runs)
         gens, rids = {}, {}
@@ -217,8 +244,9 @@ class DraftSide(BatchedHandle):
                 st = self._reqs[run.rid]
                 dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
                               self._holder(st), committed=st.seq)
-                gens[run.key], rids[run.key] = run_program(run.spec, dc, run.work, run.limit), run.rid
-        done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone)}
+                gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=stop is not None)
+                rids[run.key] = run.rid
+        done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop)}
         return [done[run.key] for run in runs]
 
     def _prefill_members(self, runs) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import AsyncIterator
 import torch
 
 from cluster.config.schema import Config
+from cluster.core.draft.programs import DRAFTS
 from cluster.engine.engine import Engine
 from cluster.engine.measure import build_planner
 from cluster.engine.request import (
@@ -48,7 +50,9 @@ class Coordinator:
         (:func:`cluster.engine.measure.build_planner`: measured now through the unit's handles, round trips
         included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
-        self.cfg, self.topology = cfg, topology or cfg.cluster.topology
+        self.cfg, self.topology = cfg, topology or cfg.cluster.placement()[0]
+        if topology is None:
+            log.info("topology %s (%s)", self.topology, cfg.cluster.placement()[1])
         self.entries, models, self.tokenizer, self._channels = build_unit(cfg, self.topology)
         if planner is None:    # the in-process root's planner, its costs measured through these handles
             planner = build_planner(models.handles, cfg.target, cfg.drafters, cfg.engine)
@@ -239,6 +243,18 @@ class Coordinator:
 
     def timings(self) -> dict:
         return {n: e.handle.timing for n, e in self.entries.items() if e.placement != "local"}
+
+    def draft_timing(self, reset: bool = False) -> dict | None:
+        """The draft side's ``draft_batch`` calls since the last reset, as a dict of
+        :class:`cluster.serving.control.remote.CallTiming`'s totals (the served benchmark's hop columns); None
+        when the draft side runs in this process."""
+        e = self.entries.get(DRAFTS)
+        if e is None or e.placement == "local":
+            return None
+        t = e.handle.per_method.get("draft_batch")
+        if reset:
+            e.handle.reset_timing()
+        return dataclasses.asdict(t) if t is not None else {}
 
     def reset_timings(self) -> None:
         for e in self.entries.values():

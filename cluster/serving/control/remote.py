@@ -14,12 +14,11 @@ Not part of the algorithm core: the engine and strategies never import this modu
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from actors.protocol import StepCall, expand_onehot, nbytes, unpack
+from actors.protocol import StepCall, StepTime, expand_onehot, nbytes, stamp, unpack
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
 from cluster.serving.control.channel import Channel
@@ -27,16 +26,43 @@ from cluster.serving.control.channel import Channel
 
 @dataclass
 class CallTiming:
-    """Totals over a handle's remote calls: the benchmark's RPC vs compute split and bytes moved."""
+    """Totals over a handle's remote calls: the benchmark's RPC vs compute split, bytes moved, and each call's hops
+    (:class:`actors.protocol.StepTime`'s stamps against the caller's: one clock per host, see ``stamp``)."""
 
     calls: int = 0
-    wall_s: float = 0.0          # caller-side time of the round trips
+    wall_s: float = 0.0          # caller-side time of the round trips (sent -> received)
     compute_s: float = 0.0       # actor-side time inside the model (rank 0)
     bytes_in: int = 0            # result payload bytes (logits) received
+    request_s: float = 0.0       # sent -> the actor's entry (serialising, the transport, deserialising)
+    actor_s: float = 0.0         # the actor's entry -> exit: its wait + compute (+ its own bookkeeping)
+    reply_s: float = 0.0         # the actor's exit -> received
+    wait_s: float = 0.0          # the actor waiting for its own pre-draft before computing
+    hits: int = 0                # pre-drafted blocks used / dropped (the draft side)
+    misses: int = 0
+    hit_calls: int = 0           # calls that used a pre-drafted block, and their compute
+    hit_compute_s: float = 0.0
+    disordered: int = 0          # calls whose stamps were not sent <= entry <= exit <= received (clocks differ)
 
     @property
     def rpc_s(self) -> float:
         return max(0.0, self.wall_s - self.compute_s)
+
+    def add(self, sent: float, received: float, st: StepTime, nbytes_in: int) -> None:
+        self.calls += 1
+        self.wall_s += received - sent
+        self.compute_s += st.compute_s
+        self.bytes_in += nbytes_in
+        if st.entry:
+            self.request_s += st.entry - sent
+            self.actor_s += st.exit - st.entry
+            self.reply_s += received - st.exit
+            self.disordered += not sent <= st.entry <= st.exit <= received
+        self.wait_s += st.wait_s
+        self.hits += st.hits
+        self.misses += st.misses
+        if st.hits:
+            self.hit_calls += 1
+            self.hit_compute_s += st.compute_s
 
 
 class RemoteHandle(BatchedHandle):
@@ -55,6 +81,7 @@ class RemoteHandle(BatchedHandle):
         self.placement = placement
         self.tp_size = channel.ranks
         self.timing = CallTiming()
+        self.per_method: dict[str, CallTiming] = {}    # the same, per batched method (None: bookkeeping only)
         self._ops: list[tuple[str, str, tuple]] = []
         self._lock = threading.Lock()
 
@@ -102,16 +129,15 @@ class RemoteHandle(BatchedHandle):
 
     def reset_timing(self) -> None:
         self.timing = CallTiming()
+        self.per_method = {}
 
     def _call(self, method: str | None, items: list):
         with self._lock:
             ops, self._ops = self._ops, []
-        t0 = time.perf_counter()
-        out, compute_s = self.channel.call(StepCall(ops, method, items, self.member))
-        t = self.timing
-        t.calls += 1
-        t.wall_s += time.perf_counter() - t0
-        t.compute_s += compute_s
-        t.bytes_in += nbytes(out)
+        sent = stamp()
+        out, st = self.channel.call(StepCall(ops, method, items, self.member))
+        received, size = stamp(), nbytes(out)
+        self.timing.add(sent, received, st, size)
+        self.per_method.setdefault(method, CallTiming()).add(sent, received, st, size)
         out = unpack(out)
         return expand_onehot(method, out, self.vocab_size) if self.deterministic else out

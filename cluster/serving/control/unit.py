@@ -23,6 +23,7 @@ from cluster.core.model_set import ModelSet
 from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
 from cluster.serving.control.ray_channel import RayChannel
 from cluster.serving.control.remote import RemoteHandle
+from cluster.serving.control.socket_channel import SocketChannel
 
 STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
 
@@ -35,11 +36,16 @@ class ModelEntry:
     handle: Any
 
 
+def _channel(cl, name: str) -> type:
+    """The transport of ``name``'s actor: the draft group's per-step calls as ``cluster.draft_channel`` says."""
+    return SocketChannel if name == DRAFTS and cl.draft_channel == "socket" else RayChannel
+
+
 def build_unit(cfg: Config, topology: str | None = None):
     """Start the actors of one unit; returns (entries by name, the engine's :class:`ModelSet`, tokenizer,
     channels to close)."""
     cl = cfg.cluster
-    separated = (topology or cl.topology) == "separated"
+    separated = (topology or cl.placement()[0]) == "separated"
     entries: dict[str, ModelEntry] = {}
     # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
     started: dict[str, tuple] = {}
@@ -66,8 +72,8 @@ def build_unit(cfg: Config, topology: str | None = None):
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
     if cfg.target not in started:                # ... or in this (the coordinator's) process, while actors load
         entries[cfg.target] = ModelEntry(cfg.target, "target", "local", build_handle(cfg, cfg.target))
-    channels = {name: RayChannel(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
-                                 restart=rebuild if placement == "tp-group" else None)
+    channels = {name: _channel(cl, name)(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
+                                         restart=rebuild if placement == "tp-group" else None)
                 for name, (actors, pg, placement) in started.items()}
     asked = {name: ch.ask("info") for name, ch in channels.items()}     # every actor loads meanwhile
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -59,6 +59,10 @@ class SpecServeDeployment:
         if shutdown is not None:
             shutdown()
 
+    def draft_timing(self, reset: bool = False) -> dict | None:
+        """The draft call's hop totals since the last reset (``bench --suite served``; a handle call, no route)."""
+        return self.coord.draft_timing(reset)
+
     # Serve's replica health check: every actor of the unit must answer
     def check_health(self) -> None:
         self.coord.health()
