@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cluster.core.draft.side import DraftSide
+
 Price = Callable[[float, float], float]          # (rows, tokens per row) -> seconds: a ForwardCost
 
 
@@ -60,7 +62,7 @@ class Strategy:
     separated: bool = False                      # the draft side in its own process, one call per step
     rtt: float = 0.0                             # that call beyond the draft side's compute
     predraft: bool = False                       # separated only: draft the next block during verification
-    predraft_rows: int = 8                       # ... for calls of at most this many rows (DraftSide.MAX_ROWS)
+    predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
     overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
     chunks_per_step: int = 0                     # chunks sent per step per row (0: unary, one per request)
 
