@@ -46,6 +46,7 @@ class Unit:
     prefill: Callable[[int], float] = lambda rows: 0.0      # rows joining -> their prompts' batched forward
     front_request: float = 0.0
     front_chunk: float = 0.0
+    shared_core: bool = False                    # the draft side's process shares the front's core (FIFO)
     max_batch: int = 32
 
 
@@ -132,11 +133,24 @@ class _Sim:
         self.front_free = max(t, self.front_free) + work
         return self.front_free
 
+    @property
+    def side_free(self) -> float:
+        """When the draft side's core is free: after its pre-draft, and after the front's work where they share it."""
+        return self.front_free if self.u.shared_core else self.side_ready
+
+    @side_free.setter
+    def side_free(self, t: float) -> None:
+        if self.u.shared_core:
+            self.front_free = t
+        else:
+            self.side_ready = t
+
     def submit(self, t: float, client: int) -> None:
         if self.to_issue > 0:
             self.to_issue -= 1
             rid = self.to_issue
-            req = _Req(rid, client, self.n, random.Random(f"{self.seed}/{rid}/a"), random.Random(f"{self.seed}/{rid}/b"))
+            draws = (random.Random(f"{self.seed}/{rid}/{kind}") for kind in ("accept", "guess"))
+            req = _Req(rid, client, self.n, *draws)
             self.push(self.front(t, self.u.front_request / 2), "arrive", req)
 
     def run(self) -> Result:
@@ -183,15 +197,16 @@ class _Sim:
         rows = len(self.running)
         per_token = s.drafter(rows, 1) if s.drafter is not None and s.k else 0.0
         if s.k and s.separated:                  # one draft call: half the round trip each way
-            ready = max(t + s.rtt / 2, self.side_ready)
+            ready = max(t + s.rtt / 2, self.side_free)
             misses = sum(r.rid not in self.bets for r in self.running)
             draft = s.k * s.drafter(misses, 1) if s.drafter is not None and misses else 0.0
             self.res.hits += rows - misses
             leaves = ready + draft
+            self.side_free = leaves
             t = leaves + s.rtt / 2
             self.predrafted = self.predrafting(rows)
             if self.predrafted:
-                self.side_ready = leaves + s.k * per_token
+                self.side_free = leaves + s.k * per_token
         else:
             t += s.k * per_token
         t += u.target(rows, s.k + 1) + s.overhead(rows)

@@ -57,9 +57,11 @@ class Inputs:
     prompt_len: int
     max_batch: int
 
-    def unit(self, front: float = 0.0) -> Unit:
+    def unit(self, front: float = 0.0, topology: str = "colocated") -> Unit:
+        """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
+        clients share -- with the draft actor, in the separated topology."""
         return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), front_request=front,
-                    max_batch=self.max_batch)
+                    max_batch=self.max_batch, shared_core=topology == "separated")
 
     def strategy(self, m: Measured, topology: str) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
@@ -85,15 +87,16 @@ def _run(engine, m: Measured, prompts, max_new: int, batched: bool):
 
 
 def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, batch: int) -> Measured:
-    """Run ``m`` greedy on ``prompts`` one at a time, then ``batch`` of them together; fill its acceptance
+    """Run ``m`` greedy on ``prompts`` one at a time, then ``batch`` of them (cycled) together; fill its acceptance
     histogram, bonus rate and per-step overhead (wall per step less the priced forwards)."""
     drafter = inp.drafters.get(m.drafter, (None, None))[0]
     engine.generate(GenerationRequest(prompt_ids=list(prompts[0]), max_new_tokens=4, sampling=SamplingParams(0.0),
                                       seed=0, strategy=m.strategy, options=dict(m.options), ignore_eos=True))
     hist, drafted, accepted, points = [0] * (m.k + 1), 0, 0, []
-    for batched, group in ((False, prompts), (True, prompts[:batch])):
+    together = (list(prompts) * batch)[:batch]
+    for batched, group in ((False, prompts), (True, together)):
         out, wall = _run(engine, m, group, max_new, batched)
-        steps = [max(1, r.stats.steps if m.k else len(r.token_ids) - 1) for r in out]
+        steps = [max(1, r.stats.steps if m.k else r.stats.target_forwards) for r in out]
         for r in out:
             for n, count in enumerate(r.stats.accepted_hist[:m.k + 1]):
                 hist[n] += count
@@ -115,7 +118,7 @@ def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, ba
     return m
 
 
-def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batch: int = 8) -> Inputs:
+def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batch: int = 16) -> Inputs:
     """Everything the simulator needs about this machine, measured now through ``engine``."""
     neural = sorted({o.get("drafter") for _, (s, o) in specs.items() if o.get("drafter")})
     costs = measure_costs(engine.models, cfg.target, neural, rows=ROWS, new_tokens=(1, K + 1), iters=3)
@@ -127,13 +130,13 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
         m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
-        inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, batch))
+        inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, min(batch, cfg.engine.max_batch)))
     return inp
 
 
-def fit_front(inp: Inputs, measured_tok_s: float, requests: int, max_new: int) -> float:
+def fit_front(inp: Inputs, measured_tok_s: float, requests: int, max_new: int, topology: str) -> float:
     """The front's per-request seconds that make the simulated autoregressive cell at c = 1 read
     ``measured_tok_s``: the measured seconds per request less the simulated ones without a front."""
     ar = next(m for m in inp.strategies if m.k == 0)
-    bare = simulate(inp.unit(0.0), inp.strategy(ar, "colocated"), 1, requests, max_new)
+    bare = simulate(inp.unit(0.0, topology), inp.strategy(ar, topology), 1, requests, max_new)
     return max(0.0, max_new / measured_tok_s - bare.seconds / requests)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cluster.bench.projection import project
 from cluster.bench.report import print_table, write_results
-from cluster.bench.served import row_specs
+from cluster.bench.served import row_specs, servable
 from cluster.bench.simulate import simulate
 from cluster.bench.simulate_inputs import fit_front, measure_inputs
 from cluster.bench.load import parse_concurrency
@@ -58,12 +58,12 @@ def calibrate(inp, measured: list[dict], max_new: int, seed: int = 0) -> list[di
         first = ar.get((topology, 1))
         if first is None:
             continue
-        front = fit_front(inp, first["tok_s"], first["requests"], max_new)
+        front = fit_front(inp, first["tok_s"], first["requests"], max_new, topology)
         cells = sorted((r for r in measured if r["topology"] == topology and r["strategy"] in by),
                        key=lambda r: (r["concurrency"], r["strategy"] != "autoregressive"))
         for r in cells:
             c, m = r["concurrency"], by[r["strategy"]]
-            res = simulate(inp.unit(front), inp.strategy(m, topology), c, r["requests"], max_new, seed)
+            res = simulate(inp.unit(front, topology), inp.strategy(m, topology), c, r["requests"], max_new, seed)
             if m.k == 0:
                 sim_ar[(topology, c)] = res.tok_s
             base = sim_ar.get((topology, c))
@@ -109,7 +109,8 @@ def run(args, cfg) -> int:
     specs["default"] = (cfg.engine.strategy, dict(cfg.engine.options))     # what a request naming none gets
     wanted = sorted({r["strategy"] for r in measured} & set(specs) if measured else ROWS,
                     key=lambda r: r != "autoregressive")
-    inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted if r in specs})
+    wanted = servable(engine, specs, [r for r in wanted if r in specs])
+    inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted})
     out = Path(args.out)
     inputs = _input_rows(inp)
     print_table(inputs, f"simulate: inputs measured in-process now ({cfg.source}; {n} prompts x {max_new} tokens)")
@@ -143,5 +144,5 @@ def _unchecked(inp, cells, max_new) -> list[dict]:
                  simulated_tok_s=round(res.tok_s, 1), sim_step_ms=round(res.step_ms, 2),
                  sim_predraft_hits=round(res.hit_rate, 2), within_10pct="unchecked")
             for r in cells
-            for res in [simulate(inp.unit(0.0), inp.strategy(by[r["strategy"]], r["topology"]), r["concurrency"],
-                                 r["requests"], max_new)]]
+            for res in [simulate(inp.unit(0.0, r["topology"]), inp.strategy(by[r["strategy"]], r["topology"]),
+                                 r["concurrency"], r["requests"], max_new)]]

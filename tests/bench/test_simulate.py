@@ -1,7 +1,15 @@
 """The served-step simulation (cluster.bench.simulate): literal cases whose answers follow from the inputs."""
+import argparse
+import json
+
 import pytest
 
+from cluster.bench import SUITES
 from cluster.bench.simulate import Strategy, Unit, simulate
+from cluster.bench.simulate_suite import load_measured
+from cluster.config.schema import load_config
+from cluster.errors import ParamError
+from cluster.family import ensure_built
 from cluster.core.forward_cost import ForwardCost
 
 TARGET = ForwardCost({(1, 1): 0.004, (1, 5): 0.005, (16, 1): 0.008, (16, 5): 0.012})
@@ -76,3 +84,41 @@ def test_the_front_and_the_round_trip_cost_what_they_say():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="clients"):
         simulate(Unit(TARGET), Strategy("x"), 0, 1, 1)
+
+
+def _cell(topology, strategy, c, tok_s, ratio):
+    return dict(topology=topology, mode="unary", strategy=strategy, concurrency=c, requests=max(2 * c, 2),
+                tok_s=tok_s, vs_autoregressive=ratio)
+
+
+def test_the_suite_fits_the_front_on_autoregressive_at_one_client_and_checks_every_other_cell(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    ensure_built(cfg, progress=False)
+    measured = [_cell(t, s, c, 20.0 * c * (1.3 if s == "default" else 1.0), 1.3 if s == "default" else 1.0)
+                for t in ("separated", "colocated") for c in (1, 2) for s in ("autoregressive", "default")]
+    measured.append(dict(topology="separated", mode="streamed", strategy="default", concurrency=1, tok_s=1.0))
+    path = tmp_path / "bench_served.json"
+    path.write_text(json.dumps(measured))
+    args = argparse.Namespace(prompts="2", max_new_tokens="8", temperature="0", out=str(tmp_path), measured=str(path))
+    assert SUITES["simulate"](args, cfg) == 0
+    table = json.loads((tmp_path / "simulate_calibration.json").read_text())
+    assert len(table) == 8                                   # the unary cells only
+    for r in table:
+        fitted = r["strategy"] == "autoregressive" and r["c"] == 1
+        assert r["within_10pct"] == ("fitted" if fitted else "yes" if max(
+            abs(r["tok_s_error_pct"]), abs(r["ratio_error_pct"] or 0)) <= 10 else "NO")
+        if fitted:       # 20 tok/s is far slower than tiny models: the front absorbs it, exactly
+            assert r["simulated_tok_s"] == pytest.approx(20.0, abs=0.1) and r["front_ms"] > 0
+    projection = json.loads((tmp_path / "simulate_projection.json").read_text())
+    assert {r["batch"] for r in projection} == {1, 4, 16, 32}
+    inputs = json.loads((tmp_path / "simulate_inputs.json").read_text())
+    assert any(r["what"].startswith("target forward, 1 rows x 5 tokens") and r["ms"] > 0 for r in inputs)
+
+
+def test_a_measured_table_without_its_reference_cell_is_refused(tmp_path):
+    path = tmp_path / "bench_served.json"
+    path.write_text(json.dumps([_cell("separated", "default", 4, 10.0, 1.0)]))
+    with pytest.raises(ParamError, match="measured"):
+        load_measured(path)
+    with pytest.raises(ParamError, match="measured"):
+        load_measured(tmp_path / "missing.json")
