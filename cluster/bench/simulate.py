@@ -62,6 +62,7 @@ class Strategy:
     accepted: tuple[float, ...] | None = None    # measured shares of steps accepting 0..k (replayed instead)
     separated: bool = False                      # the draft side in its own process, one call per step
     rtt: float = 0.0                             # that call beyond the draft side's compute
+    side_work: float = 0.0                       # the draft side's own work per block it drafts (its program)
     predraft: bool = False                       # separated only: draft the next block during verification
     predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
     overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
@@ -199,14 +200,14 @@ class _Sim:
         if s.k and s.separated:                  # one draft call: half the round trip each way
             ready = max(t + s.rtt / 2, self.side_free)
             misses = sum(r.rid not in self.bets for r in self.running)
-            draft = s.k * s.drafter(misses, 1) if s.drafter is not None and misses else 0.0
+            draft = s.side_work + s.k * s.drafter(misses, 1) if s.drafter is not None and misses else 0.0
             self.res.hits += rows - misses
             leaves = ready + draft
             self.side_free = leaves
             t = leaves + s.rtt / 2
             self.predrafted = self.predrafting(rows)
             if self.predrafted:
-                self.side_free = leaves + s.k * per_token
+                self.side_free = leaves + s.side_work + s.k * per_token
         else:
             t += s.k * per_token
         t += u.target(rows, s.k + 1) + s.overhead(rows)
@@ -245,3 +246,18 @@ def simulate(unit: Unit, strategy: Strategy, clients: int, requests: int, new_to
         raise ValueError(f"simulate: clients, requests and new_tokens must be >= 1, got {clients}, {requests}, "
                          f"{new_tokens}")
     return _Sim(unit, strategy, clients, requests, new_tokens, seed).run()
+
+
+def replicate(unit: Unit, strategy: Strategy, clients: int, requests: int, new_tokens: int,
+              seeds: int = 16) -> Result:
+    """The cell simulated with seeds 0..seeds-1 and pooled (tokens over seconds of all of them): a served cell
+    holds few requests, so one seed's draws of accepted counts move its tok/s by several per cent."""
+    pooled = Result()
+    for seed in range(seeds):
+        r = simulate(unit, strategy, clients, requests, new_tokens, seed)
+        pooled.tokens, pooled.seconds, pooled.requests = (pooled.tokens + r.tokens, pooled.seconds + r.seconds,
+                                                          pooled.requests + r.requests)
+        pooled.steps, pooled.row_steps, pooled.hits = pooled.steps + r.steps, pooled.row_steps + r.row_steps, \
+            pooled.hits + r.hits
+        pooled.step_seconds += r.step_seconds
+    return pooled

@@ -22,7 +22,7 @@ from pathlib import Path
 from cluster.bench.projection import project
 from cluster.bench.report import print_table, write_results
 from cluster.bench.served import row_specs, servable
-from cluster.bench.simulate import simulate
+from cluster.bench.simulate import replicate
 from cluster.bench.simulate_inputs import fit_front, measure_inputs
 from cluster.bench.load import parse_concurrency
 from cluster.errors import ParamError, check_int
@@ -49,8 +49,9 @@ def _err(sim: float, meas: float | None) -> float | None:
     return round(100.0 * (sim - meas) / meas, 1) if meas else None
 
 
-def calibrate(inp, measured: list[dict], max_new: int, seed: int = 0) -> list[dict]:
-    """One row per measured unary cell: measured vs simulated tok/s and ratio to autoregressive."""
+def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
+    """One row per measured unary cell: measured vs simulated tok/s (pooled over seeds) and ratio to
+    autoregressive."""
     by = {m.name: m for m in inp.strategies}
     ar = {(r["topology"], r["concurrency"]): r for r in measured if r["strategy"] == "autoregressive"}
     out, sim_ar = [], {}
@@ -63,7 +64,7 @@ def calibrate(inp, measured: list[dict], max_new: int, seed: int = 0) -> list[di
                        key=lambda r: (r["concurrency"], r["strategy"] != "autoregressive"))
         for r in cells:
             c, m = r["concurrency"], by[r["strategy"]]
-            res = simulate(inp.unit(front, topology), inp.strategy(m, topology), c, r["requests"], max_new, seed)
+            res = replicate(inp.unit(front, topology), inp.strategy(m, topology), c, r["requests"], max_new)
             if m.k == 0:
                 sim_ar[(topology, c)] = res.tok_s
             base = sim_ar.get((topology, c))
@@ -107,8 +108,8 @@ def run(args, cfg) -> int:
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
     specs = row_specs(cfg)
     specs["default"] = (cfg.engine.strategy, dict(cfg.engine.options))     # what a request naming none gets
-    wanted = sorted({r["strategy"] for r in measured} & set(specs) if measured else ROWS,
-                    key=lambda r: r != "autoregressive")
+    named = {r["strategy"] for r in measured} if measured else set(ROWS)
+    wanted = ["autoregressive"] + sorted(named - {"autoregressive"})
     wanted = servable(engine, specs, [r for r in wanted if r in specs])
     inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted})
     out = Path(args.out)
@@ -144,5 +145,5 @@ def _unchecked(inp, cells, max_new) -> list[dict]:
                  simulated_tok_s=round(res.tok_s, 1), sim_step_ms=round(res.step_ms, 2),
                  sim_predraft_hits=round(res.hit_rate, 2), within_10pct="unchecked")
             for r in cells
-            for res in [simulate(inp.unit(0.0, r["topology"]), inp.strategy(by[r["strategy"]], r["topology"]),
+            for res in [replicate(inp.unit(0.0, r["topology"]), inp.strategy(by[r["strategy"]], r["topology"]),
                                  r["concurrency"], r["requests"], max_new)]]
