@@ -26,7 +26,7 @@ the round trip through Ray between GPU nodes, the pre-draft hit rate, and the ac
 """
 from __future__ import annotations
 
-from cluster.bench.simulate import Strategy, Unit, simulate
+from cluster.bench.simulate import Strategy, Unit, replicate
 from cluster.core.forward_cost import ForwardCost
 
 INPUTS = dict(target_ms=9.0, verify_factor=1.05, batch32_factor=1.4, draft_ms=2.0, draft_batch32_factor=1.2,
@@ -53,17 +53,17 @@ def production_unit(i: dict) -> tuple[Unit, dict[str, Strategy]]:
     return unit, rows
 
 
-def project(inputs: dict | None = None, batches=BATCHES, seed: int = 0) -> list[dict]:
+def project(inputs: dict | None = None, batches=BATCHES, seeds: int = 8) -> list[dict]:
     """Rows (strategy, batch = closed-loop clients, mean step ms, tokens per row-step, tokens/s per stream,
     ratio to autoregressive at that batch, pre-draft hits per row-step), each a simulated cell of 4 requests per
-    client of ``new_tokens`` tokens."""
+    client of ``new_tokens`` tokens, pooled over ``seeds`` seeds."""
     i = dict(INPUTS, **(inputs or {}))
     unit, strategies = production_unit(i)
     rows = []
     for batch in batches:
         base = None
         for name, s in strategies.items():
-            r = simulate(unit, s, batch, 4 * batch, i["new_tokens"], seed)
+            r = replicate(unit, s, batch, 4 * batch, i["new_tokens"], seeds)
             per_stream = r.tok_s / batch
             base = base or per_stream
             rows.append(dict(strategy=name, batch=batch, step_ms=round(r.step_ms, 2),
