@@ -122,3 +122,17 @@ def test_a_measured_table_without_its_reference_cell_is_refused(tmp_path):
         load_measured(path)
     with pytest.raises(ParamError, match="measured"):
         load_measured(tmp_path / "missing.json")
+
+
+def test_without_a_measured_table_the_cells_are_simulated_unchecked(tmp_path, capsys):
+    cfg = load_config("configs/tiny.yaml")
+    ensure_built(cfg, progress=False)
+    args = argparse.Namespace(prompts="2", max_new_tokens="6", temperature="0", out=str(tmp_path), measured=None,
+                              concurrency="1,2")
+    assert SUITES["simulate"](args, cfg) == 0
+    assert "no --measured served table" in capsys.readouterr().out
+    table = json.loads((tmp_path / "simulate_calibration.json").read_text())
+    strategies = {r["strategy"] for r in table}
+    assert "autoregressive" in strategies and "default" in strategies      # tiny serves no Max-Gram drafter
+    assert {(r["topology"], r["c"]) for r in table} == {(t, c) for t in ("separated", "colocated") for c in (1, 2)}
+    assert all(r["within_10pct"] == "unchecked" and r["simulated_tok_s"] > 0 for r in table)
