@@ -13,8 +13,10 @@ Transformers via Speculative Decoding*, section 3.4, with each call read from me
 
 * **colocated** (drafting and verification back to back in one process): ``k drafter(B, 1) + target(B, k + 1)``
   plus the engine's own work per step, ``overhead(B)``;
-* **separated** (the draft side in its own process, on its own core): one draft call whose reply reaches the
-  coordinator ``rtt`` after it was sent plus the draft side's compute, then the verification.  With
+* **separated** (the draft side in its own process): one draft call whose reply reaches the coordinator
+  ``rtt`` after it was sent plus the draft side's compute (``side_work`` and k drafter forwards for the rows
+  it drafts), then the verification.  The draft side has a core of its own, or shares the front's
+  (``Unit.shared_core``: one FIFO timeline for both, as on a 2-core machine).  With
   ``predraft`` the draft side drafts the next block for every row during the verification (PEARL's
   post-verify, Liu et al., *PEARL: Parallel Speculative Decoding with Adaptive Draft Length*, section 3),
   starting when its reply has left; the next call waits for that pre-draft to finish, and only the rows whose
