@@ -1,8 +1,8 @@
 """The simulator's inputs for THIS machine, measured in-process (:mod:`cluster.bench.simulate`).
 
 * forward costs (each cell the fastest of :data:`REPEATS` passes): the engine's own handles timed by
-  :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows x 1) and the prompts' prefill by
-  :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts' mean length;
+  :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows
+  x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts' mean length;
 * acceptance: a short greedy run of each strategy, alone and batched, whose per-step accepted counts
   (``RequestStats.accepted_hist``) the simulator replays, and whose accepted / drafted share is the bonus-guess
   rate;
@@ -74,7 +74,8 @@ class Inputs:
         sep = topology == "separated" and m.k > 0
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
-                        draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha, accepted=m.accepted, separated=sep,
+                        draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
+                        accepted=m.accepted, separated=sep,
                         rtt=RTT_S["neural" if cost else "mag"] if sep else 0.0, predraft=sep and cost is not None,
                         overhead=m.overhead_at)
 
