@@ -50,6 +50,14 @@ def test_predrafting_is_never_slower_than_synchronous(alpha, clients, rtt):
         assert pre.hits == 0
 
 
+@pytest.mark.parametrize("clients", [1, 2, 5, 16, 32])
+def test_c_clients_of_one_request_each_finish_c_times_n_tokens(clients):
+    for s in (Strategy("autoregressive"), Strategy("s", k=4, drafter=DRAFTER, alpha=0.7, separated=True,
+                                                   rtt=0.001, predraft=True)):
+        res = simulate(Unit(TARGET, max_batch=16), s, clients, clients, 40, seed=2)
+        assert (res.requests, res.tokens) == (clients, clients * 40)
+
+
 @pytest.mark.parametrize("clients", [1, 3, 8, 20])
 def test_every_client_finishes_its_requests(clients):
     unit = Unit(TARGET, prefill=lambda rows: 0.001 * rows, front_request=0.002, max_batch=8)
