@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-from cluster.bench import cluster, cs, edit, gpu, grammar, load, main, served, spec_cascades, transport, verify
+from cluster.bench import (cluster, cs, edit, gpu, grammar, load, main, served, simulate_suite, spec_cascades,
+                           transport, verify)
 
 SUITES = {
     "main": main.run,
@@ -18,4 +19,5 @@ SUITES = {
     "edit": edit.run,
     "grammar": grammar.run,
     "gpu": gpu.run,
+    "simulate": simulate_suite.run,
 }

@@ -6,7 +6,7 @@
 2. **Forward costs there.**  Each model's batched forward seconds by rows x new tokens, measured through the
    engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
    and the drafter's cost over the target's one-token forward at the same batch, ``c``: the inputs that
-   :mod:`cluster.bench.projection` takes from the cost model today.
+   :mod:`cluster.bench.projection`'s simulation takes as cited estimates today.
 3. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
    coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.
 

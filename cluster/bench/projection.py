@@ -1,4 +1,5 @@
-"""A projection of the served table for ``configs/production-70b.yaml``'s layout, from the cost model.
+"""A projection of the served table for ``configs/production-70b.yaml``'s layout, by the served-step simulation
+(:mod:`cluster.bench.simulate`, checked against this machine's served table first: ``--suite simulate``).
 
 No GPU was lent to the session that wrote this, and no 70B weights can be fetched here, so the production
 layout (a Llama-3.1-70B-class target over TP = 8 on one H100 node; a ~1B drafter in the draft-group actor on
@@ -12,40 +13,60 @@ its own GPU; the Max-Gram drafter beside it) is projected, not measured.  Inputs
 * drafter forward (~1B, one GPU): **2 ms** (launch-bound at this size: 16 layers of small kernels);
 * one Ray actor round trip: **1 ms** (0.6 ms measured here, docs/cluster.md), drafts as token ids (8 B each);
 * acceptance per token **0.8** for drafter-large (a 70B/1B pair of one family; nano-PEARL and SwiftSpec report
-  multi-x speedups at batch 1 on such pairs), 0.5 for the Max-Gram drafter.
+  multi-x speedups at batch 1 on such pairs), 0.5 for the Max-Gram drafter, i.i.d. per position;
+* prompt prefill: a 64-token prompt per row, priced as one decode forward times (1 + tokens / 300): the
+  forward stays weight-bound up to the H100's critical batch of ~300 tokens (Austin et al., ibid., "Roofline");
+* the front (Serve's proxy and deployment): **2 ms** per request, about three actor hops at the 0.6 ms measured
+  here; the engine's own work per step is taken as part of the 9 ms.
 
+Pre-drafting follows today's draft side: only for calls of at most ``DraftSide.MAX_ROWS`` rows.
 What a GPU run has to confirm: the target's cost curve in tokens and rows (``specserve bench --suite served``
 on the production config measures it through the planner's start-up grid), the drafter's launch-bound cost,
 the round trip through Ray between GPU nodes, the pre-draft hit rate, and the acceptance rates.
 """
 from __future__ import annotations
 
-from cluster.core.cost_model import expected_tokens
+from cluster.bench.simulate import Strategy, Unit, replicate
+from cluster.core.forward_cost import ForwardCost
 
-INPUTS = dict(target_ms=9.0, verify_factor=1.05, batch32_factor=1.4, draft_ms=2.0, rtt_ms=1.0,
-              alpha_drafter=0.8, alpha_mag=0.5, k=4)
+INPUTS = dict(target_ms=9.0, verify_factor=1.05, batch32_factor=1.4, draft_ms=2.0, draft_batch32_factor=1.2,
+              rtt_ms=1.0, alpha_drafter=0.8, alpha_mag=0.5, k=4, prompt_tokens=64, critical_tokens=300,
+              front_ms=2.0, new_tokens=128)
+BATCHES = (1, 4, 16, 32)
 
 
-def project(inputs: dict = INPUTS) -> list[dict]:
-    """Rows (strategy, batch, tokens/s per request stream, ratio to autoregressive): synchronous speculative
-    decoding, the same with the next block pre-drafted during verification (PEARL's post-verify: a hit when the
-    whole block and the guessed bonus token are accepted, probability alpha^(k+1)), and Max-Gram drafting."""
-    i = dict(INPUTS, **inputs)
-    k, rtt = i["k"], i["rtt_ms"]
+def production_unit(i: dict) -> tuple[Unit, dict[str, Strategy]]:
+    """The production layout's unit and its rows, priced by ``i`` (milliseconds as in :data:`INPUTS`)."""
+    k, ms = i["k"], 1e-3
+    t1, vf, b32 = i["target_ms"] * ms, i["verify_factor"], i["batch32_factor"]
+    target = ForwardCost({(1, 1): t1, (1, k + 1): t1 * vf, (32, 1): t1 * b32, (32, k + 1): t1 * b32 * vf})
+    drafter = ForwardCost({(1, 1): i["draft_ms"] * ms, (32, 1): i["draft_ms"] * ms * i["draft_batch32_factor"]})
+    prefill = lambda rows: target(rows, 1) * (1 + rows * i["prompt_tokens"] / i["critical_tokens"])  # noqa: E731
+    unit = Unit(target, prefill=prefill, front_request=i["front_ms"] * ms)
+    rtt, a = i["rtt_ms"] * ms, i["alpha_drafter"]
+    rows = {"autoregressive": Strategy("autoregressive"),
+            "speculative (sync)": Strategy("speculative (sync)", k=k, drafter=drafter, alpha=a, separated=True,
+                                           rtt=rtt),
+            "speculative (pre-drafted)": Strategy("speculative (pre-drafted)", k=k, drafter=drafter, alpha=a,
+                                                  separated=True, rtt=rtt, predraft=True),
+            "mag": Strategy("mag", k=k, alpha=i["alpha_mag"], separated=True, rtt=rtt)}
+    return unit, rows
+
+
+def project(inputs: dict | None = None, batches=BATCHES, seeds: int = 8) -> list[dict]:
+    """Rows (strategy, batch = closed-loop clients, mean step ms, tokens per row-step, tokens/s per stream,
+    ratio to autoregressive at that batch, pre-draft hits per row-step), each a simulated cell of 4 requests per
+    client of ``new_tokens`` tokens, pooled over ``seeds`` seeds."""
+    i = dict(INPUTS, **(inputs or {}))
+    unit, strategies = production_unit(i)
     rows = []
-    for batch, scale in ((1, 1.0), (32, i["batch32_factor"])):
-        target1 = i["target_ms"] * scale
-        verify = target1 * i["verify_factor"]
-        e_dl, e_mag = expected_tokens(i["alpha_drafter"], k), expected_tokens(i["alpha_mag"], k)
-        hit = i["alpha_drafter"] ** (k + 1)
-        draft = k * i["draft_ms"] * (1.0 if batch == 1 else 1.2)        # a batched drafter forward
-        steps = {"autoregressive": (target1, 1.0),
-                 "speculative (sync)": (draft + rtt + verify, e_dl),
-                 "speculative (pre-drafted)": (verify + rtt + (1.0 - hit) * draft, e_dl),
-                 "mag": (verify + rtt, e_mag)}
-        base = 1000.0 / target1
-        for name, (ms, tokens) in steps.items():
-            rate = 1000.0 * tokens / ms
-            rows.append(dict(strategy=name, batch=batch, step_ms=round(ms, 2), tokens_per_step=round(tokens, 2),
-                             tok_s_per_stream=round(rate, 1), vs_autoregressive=round(rate / base, 2)))
+    for batch in batches:
+        base = None
+        for name, s in strategies.items():
+            r = replicate(unit, s, batch, 4 * batch, i["new_tokens"], seeds)
+            per_stream = r.tok_s / batch
+            base = base or per_stream
+            rows.append(dict(strategy=name, batch=batch, step_ms=round(r.step_ms, 2),
+                             tokens_per_step=round(r.tokens_per_row_step, 2), tok_s_per_stream=round(per_stream, 1),
+                             vs_autoregressive=round(per_stream / base, 2), predraft_hits=round(r.hit_rate, 2)))
     return rows

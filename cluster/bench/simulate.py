@@ -1,0 +1,265 @@
+"""A discrete-event simulation of one serving unit's served step (issue 32 item 5): what the served table
+should read, given what each piece costs.
+
+The unit: ``clients`` closed-loop clients, each sending requests of ``new_tokens`` output tokens (greedy,
+``ignore_eos``) back to back, through a front (Serve's proxy and the deployment: one FIFO server that spends
+``front_request / 2`` on a request coming in and as much, plus ``front_chunk`` per chunk, on its answer going
+out); the coordinator's step loop with continuous batching (requests join between steps up to ``max_batch``,
+their prompts prefilled in one batched forward, then one batched target forward per step priced by
+``target(rows, tokens)``, a :class:`cluster.core.forward_cost.ForwardCost`); and the draft side.
+
+A step of speculative decoding with draft length k over B rows costs (Leviathan et al., *Fast Inference from
+Transformers via Speculative Decoding*, section 3.4, with each call read from measured tables)
+
+* **colocated** (drafting and verification back to back in one process): ``k drafter(B, 1) + target(B, k + 1)``
+  plus the engine's own work per step, ``overhead(B)``;
+* **separated** (the draft side in its own process): one draft call whose reply reaches the coordinator
+  ``rtt`` after it was sent plus the draft side's compute (``side_work`` and k drafter forwards for the rows
+  it drafts), then the verification.  The draft side has a core of its own, or shares the front's
+  (``Unit.shared_core``: one FIFO timeline for both, as on a 2-core machine).  With
+  ``predraft`` the draft side drafts the next block for every row during the verification (PEARL's
+  post-verify, Liu et al., *PEARL: Parallel Speculative Decoding with Adaptive Draft Length*, section 3),
+  starting when its reply has left; the next call waits for that pre-draft to finish, and only the rows whose
+  bet came true -- the whole block accepted and the bonus token guessed -- skip drafting.
+
+Tokens per row per step: ``accepted + 1``, the accepted count drawn per row and step, either replayed from a
+measured histogram (``accepted[n]`` = share of steps that accepted n of k) or i.i.d. per position with rate
+``alpha``; the bonus is guessed with probability ``alpha``.  A free drafter (``drafter=None``, Max-Gram) costs
+only ``overhead``.  Everything is seeded: the same inputs and seed give the same result.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.core.draft.side import DraftSide
+
+Price = Callable[[float, float], float]          # (rows, tokens per row) -> seconds: a ForwardCost
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one serving unit's pieces cost, in seconds."""
+
+    target: Price
+    prefill: Callable[[int], float] = lambda rows: 0.0      # rows joining -> their prompts' batched forward
+    front_request: float = 0.0
+    front_chunk: float = 0.0
+    shared_core: bool = False                    # the draft side's process shares the front's core (FIFO)
+    max_batch: int = 32
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row of the served table: how its steps draft and what they accept."""
+
+    name: str
+    k: int = 0                                   # 0: autoregressive
+    drafter: Price | None = None                 # a neural drafter's forward; None: free (Max-Gram)
+    draft_prefill: Callable[[int], float] | None = None   # the drafter's prompt prefill (where it is in-process)
+    alpha: float = 0.0                           # i.i.d. acceptance per position; the bonus-guess rate
+    accepted: tuple[float, ...] | None = None    # measured shares of steps accepting 0..k (replayed instead)
+    separated: bool = False                      # the draft side in its own process, one call per step
+    rtt: float = 0.0                             # that call beyond the draft side's compute
+    side_work: float = 0.0                       # the draft side's own work per block it drafts (its program)
+    predraft: bool = False                       # separated only: draft the next block during verification
+    predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
+    overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
+    chunks_per_step: int = 0                     # chunks sent per step per row (0: unary, one per request)
+
+
+@dataclass
+class Result:
+    """One simulated cell."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    requests: int = 0
+    steps: int = 0
+    row_steps: int = 0
+    hits: int = 0                                # row-steps served by a pre-drafted block
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else 0.0
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        return self.tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.row_steps if self.row_steps else 0.0
+
+
+@dataclass
+class _Req:
+    rid: int
+    client: int
+    left: int
+    accept: random.Random                        # this request's own draws: the same whatever the timing
+    guess: random.Random
+    chunks: int = 0
+
+
+class _Sim:
+    def __init__(self, unit: Unit, s: Strategy, clients: int, requests: int, new_tokens: int, seed: int):
+        self.u, self.s, self.n = unit, s, new_tokens
+        self.seed = seed
+        self.heap: list = []
+        self.seq = 0
+        self.to_issue = requests
+        self.front_free = 0.0
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.busy = False
+        self.side_ready = 0.0                    # when the draft side's pre-draft is done
+        self.predrafted = False                  # the draft side pre-drafts during this step's verification
+        self.bets: set[int] = set()              # the rows whose pre-drafted block is usable
+        self.res = Result()
+        for c in range(min(clients, requests)):
+            self.submit(0.0, c)
+
+    def push(self, t: float, kind: str, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, data))
+
+    def front(self, t: float, work: float) -> float:
+        self.front_free = max(t, self.front_free) + work
+        return self.front_free
+
+    @property
+    def side_free(self) -> float:
+        """When the draft side's core is free: after its pre-draft, and after the front's work where they share it."""
+        return self.front_free if self.u.shared_core else self.side_ready
+
+    @side_free.setter
+    def side_free(self, t: float) -> None:
+        if self.u.shared_core:
+            self.front_free = t
+        else:
+            self.side_ready = t
+
+    def submit(self, t: float, client: int) -> None:
+        if self.to_issue > 0:
+            self.to_issue -= 1
+            rid = self.to_issue
+            draws = (random.Random(f"{self.seed}/{rid}/{kind}") for kind in ("accept", "guess"))
+            req = _Req(rid, client, self.n, *draws)
+            self.push(self.front(t, self.u.front_request / 2), "arrive", req)
+
+    def run(self) -> Result:
+        while self.heap:
+            t, _, kind, data = heapq.heappop(self.heap)
+            if kind == "arrive":
+                self.waiting.append(data)
+                if not self.busy:                # wake the loop after every arrival at this instant
+                    self.busy = True
+                    self.push(t, "wake", None)
+            elif kind == "wake":
+                self.start_step(t)
+            elif kind == "step":
+                self.end_step(t, data)
+            else:                                # "done": the answer reached its client
+                self.res.requests += 1
+                self.res.seconds = t
+                self.submit(t, data.client)
+        return self.res
+
+    def accepted(self, rng: random.Random) -> int:
+        s = self.s
+        if s.accepted is not None:
+            return rng.choices(range(len(s.accepted)), weights=s.accepted)[0]
+        n = 0
+        while n < s.k and rng.random() < s.alpha:
+            n += 1
+        return n
+
+    def predrafting(self, rows: int) -> bool:
+        s = self.s
+        return s.predraft and s.separated and s.drafter is not None and rows <= s.predraft_rows
+
+    def start_step(self, t: float) -> None:
+        s, u = self.s, self.u
+        room = u.max_batch - len(self.running)
+        joined = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        t0 = t
+        if joined:
+            t += u.prefill(len(joined))
+            if s.draft_prefill is not None and not s.separated:
+                t += s.draft_prefill(len(joined))
+            self.running += joined
+        rows = len(self.running)
+        per_token = s.drafter(rows, 1) if s.drafter is not None and s.k else 0.0
+        if s.k and s.separated:                  # one draft call: half the round trip each way
+            ready = max(t + s.rtt / 2, self.side_free)
+            misses = sum(r.rid not in self.bets for r in self.running)
+            draft = s.side_work + s.k * s.drafter(misses, 1) if s.drafter is not None and misses else 0.0
+            self.res.hits += rows - misses
+            leaves = ready + draft
+            self.side_free = leaves
+            t = leaves + s.rtt / 2
+            self.predrafted = self.predrafting(rows)
+            if self.predrafted:
+                self.side_free = leaves + s.side_work + s.k * per_token
+        else:
+            t += s.k * per_token
+        t += u.target(rows, s.k + 1) + s.overhead(rows)
+        self.busy = True
+        self.push(t, "step", t - t0)
+
+    def end_step(self, t: float, seconds: float) -> None:
+        s, res = self.s, self.res
+        res.steps += 1
+        res.step_seconds.append(seconds)
+        res.row_steps += len(self.running)
+        bets = set()
+        for r in list(self.running):
+            a = self.accepted(r.accept) if s.k else 0
+            if self.predrafted and a == s.k and r.guess.random() < s.alpha:
+                bets.add(r.rid)
+            got = min(a + 1, r.left)
+            r.left -= got
+            res.tokens += got
+            r.chunks += s.chunks_per_step
+            if r.left == 0:
+                self.running.remove(r)
+                work = self.u.front_request / 2 + self.u.front_chunk * max(1, r.chunks)
+                self.push(self.front(t, work), "done", r)
+        self.bets = bets
+        self.busy = False
+        if self.running or self.waiting:
+            self.start_step(t)
+
+
+def simulate(unit: Unit, strategy: Strategy, clients: int, requests: int, new_tokens: int,
+             seed: int = 0) -> Result:
+    """Serve ``requests`` requests of ``new_tokens`` tokens from ``clients`` closed-loop clients; the cell's
+    tok/s is generated tokens over the time the last answer reached its client (as the served suite times it)."""
+    if clients < 1 or requests < 1 or new_tokens < 1:
+        raise ValueError(f"simulate: clients, requests and new_tokens must be >= 1, got {clients}, {requests}, "
+                         f"{new_tokens}")
+    return _Sim(unit, strategy, clients, requests, new_tokens, seed).run()
+
+
+def replicate(unit: Unit, strategy: Strategy, clients: int, requests: int, new_tokens: int,
+              seeds: int = 16) -> Result:
+    """The cell simulated with seeds 0..seeds-1 and pooled (tokens over seconds of all of them): a served cell
+    holds few requests, so one seed's draws of accepted counts move its tok/s by several per cent."""
+    pooled = Result()
+    for seed in range(seeds):
+        r = simulate(unit, strategy, clients, requests, new_tokens, seed)
+        pooled.tokens, pooled.seconds, pooled.requests = (pooled.tokens + r.tokens, pooled.seconds + r.seconds,
+                                                          pooled.requests + r.requests)
+        pooled.steps, pooled.row_steps, pooled.hits = pooled.steps + r.steps, pooled.row_steps + r.row_steps, \
+            pooled.hits + r.hits
+        pooled.step_seconds += r.step_seconds
+    return pooled

@@ -1,0 +1,159 @@
+"""The simulator's inputs for THIS machine, measured in-process (:mod:`cluster.bench.simulate`).
+
+* forward costs (each cell the fastest of :data:`REPEATS` passes): the engine's own handles timed by
+  :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows
+  x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts' mean length;
+* acceptance: a short greedy run of each strategy, alone and batched, whose per-step accepted counts
+  (``RequestStats.accepted_hist``) the simulator replays, and whose accepted / drafted share is the bonus-guess
+  rate;
+* the engine's own work per step (``overhead(rows)``): that run's wall seconds per step less the forwards the
+  cost tables price, at one row (alone) and at the batched run's mean rows, linear between them;
+* the draft call beyond the actor's compute (``rtt``): docs/cluster.md's "Where a served step goes now" table
+  (2.20 ms for a neural drafter, whose pre-draft thread holds the GIL while the reply leaves; 1.60 ms for mag);
+* the draft side's own work per block beyond its k drafter forwards: the same table's 3.68 ms of compute in
+  the actor for a k = 4 call at one row, less k drafter forwards priced now;
+* the front's per-request cost: the ONE fitted parameter, from the measured autoregressive served cell at
+  c = 1 of each topology (:func:`fit_front`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.bench.simulate import Strategy, Unit, replicate
+from cluster.core.forward_cost import ForwardCost
+from cluster.core.sampling import SamplingParams
+from cluster.engine.measure import forward_cost_grid, measure_costs
+from cluster.engine.request import GenerationRequest
+
+RTT_S = {"neural": 2.20e-3, "mag": 1.60e-3}        # docs/cluster.md, "Where a served step goes now"
+ACTOR_DRAFT_S = 3.68e-3                             # ibid.: a k = 4 draft call's compute in the actor, one row
+ROWS = (1, 2, 4, 8, 16)
+REPEATS = 3                                          # passes per run; the fastest is kept
+K = 4
+
+
+@dataclass
+class Measured:
+    """One strategy's in-process run: replayable acceptance and the engine's work per step."""
+
+    name: str
+    strategy: str | None
+    options: dict
+    k: int = 0
+    drafter: str | None = None                       # a neural drafter's name; None: none or free
+    accepted: tuple[float, ...] | None = None
+    alpha: float = 0.0
+    overhead: tuple[tuple[float, float], ...] = ()  # (rows, seconds) points
+    step_ms: dict = field(default_factory=dict)      # rows -> measured ms per step in-process
+
+    def overhead_at(self, rows: float) -> float:
+        (r0, o0), (r1, o1) = self.overhead[0], self.overhead[-1]
+        return max(0.0, o0 if r1 == r0 else o0 + (o1 - o0) * (rows - r0) / (r1 - r0))
+
+
+@dataclass
+class Inputs:
+    target: ForwardCost
+    prefill: ForwardCost
+    drafters: dict                                   # name -> (ForwardCost per token, prefill ForwardCost)
+    strategies: list[Measured]
+    prompt_len: int
+    max_batch: int
+
+    def unit(self, front: float = 0.0, topology: str = "colocated") -> Unit:
+        """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
+        clients share -- with the draft actor, in the separated topology."""
+        return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), front_request=front,
+                    max_batch=self.max_batch, shared_core=topology == "separated")
+
+    def strategy(self, m: Measured, topology: str) -> Strategy:
+        """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
+        neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process."""
+        cost, pre = self.drafters.get(m.drafter, (None, None))
+        sep = topology == "separated" and m.k > 0
+        side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
+        return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
+                        draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
+                        accepted=m.accepted, separated=sep,
+                        rtt=RTT_S["neural" if cost else "mag"] if sep else 0.0, predraft=sep and cost is not None,
+                        overhead=m.overhead_at)
+
+
+def _forwards(inp_target, drafter, k: int, rows: float) -> float:
+    return (k * drafter(rows, 1) if drafter is not None and k else 0.0) + inp_target(rows, k + 1)
+
+
+def _run(engine, m: Measured, prompts, max_new: int, batched: bool):
+    reqs = [GenerationRequest(prompt_ids=list(p), max_new_tokens=max_new, sampling=SamplingParams(0.0), seed=0,
+                              strategy=m.strategy, options=dict(m.options), ignore_eos=True) for p in prompts]
+    t0 = time.perf_counter()
+    out = engine.generate_many(reqs) if batched else [engine.generate(r) for r in reqs]
+    return out, time.perf_counter() - t0
+
+
+def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, batch: int) -> Measured:
+    """Run ``m`` greedy on ``prompts`` one at a time, then ``batch`` of them (cycled) together, each
+    :data:`REPEATS` times keeping the fastest pass; fill its acceptance
+    histogram, bonus rate and per-step overhead (wall per step less the priced forwards)."""
+    drafter = inp.drafters.get(m.drafter, (None, None))[0]
+    engine.generate(GenerationRequest(prompt_ids=list(prompts[0]), max_new_tokens=4, sampling=SamplingParams(0.0),
+                                      seed=0, strategy=m.strategy, options=dict(m.options), ignore_eos=True))
+    hist, drafted, accepted, points = [0] * (m.k + 1), 0, 0, []
+    together = (list(prompts) * batch)[:batch]
+    for batched, group in ((False, prompts), (True, together)):
+        runs = [_run(engine, m, group, max_new, batched) for _ in range(REPEATS)]
+        out, wall = min(runs, key=lambda run: run[1])         # the least disturbed pass on a shared machine
+        steps = [max(1, r.stats.steps if m.k else r.stats.target_forwards) for r in out]
+        for r in out:
+            for n, count in enumerate(r.stats.accepted_hist[:m.k + 1]):
+                hist[n] += count
+            drafted, accepted = drafted + r.stats.drafted_tokens, accepted + r.stats.accepted_tokens
+        if batched:
+            n_steps = max(steps)
+            rows = sum(steps) / n_steps
+            wall -= inp.prefill(len(group), inp.prompt_len)
+        else:
+            n_steps, rows = sum(steps), 1.0
+            wall -= len(group) * inp.prefill(1, inp.prompt_len)
+        per_step = wall / n_steps
+        m.step_ms[round(rows, 1)] = round(1e3 * per_step, 3)
+        points.append((rows, per_step - _forwards(inp.target, drafter, m.k, rows)))
+    m.overhead = tuple(points)
+    if m.k:
+        m.accepted = tuple(h / max(1, sum(hist)) for h in hist)
+        m.alpha = accepted / drafted if drafted else 0.0
+    return m
+
+
+def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batch: int = 16) -> Inputs:
+    """Everything the simulator needs about this machine, measured now through ``engine``."""
+    neural = sorted({o.get("drafter") for _, (s, o) in specs.items() if o.get("drafter")})
+    passes = [measure_costs(engine.models, cfg.target, neural, rows=ROWS, new_tokens=(1, K + 1), iters=3)
+              for _ in range(REPEATS)]
+    costs = {n: _fastest([p[n] for p in passes]) for n in passes[0]}
+    plen = round(sum(map(len, prompts)) / len(prompts))
+    pre = {n: _fastest([ForwardCost(forward_cost_grid(engine.models[n], rows=(1, 4, 16), new_tokens=(plen,),
+                                                      context=1, iters=2)) for _ in range(REPEATS)])
+           for n in [cfg.target, *neural]}
+    inp = Inputs(costs[cfg.target], pre[cfg.target], {n: (costs[n], pre[n]) for n in neural}, [], plen,
+                 cfg.engine.max_batch)
+    for name, (strategy, opts) in specs.items():
+        k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
+        m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
+        inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, min(batch, cfg.engine.max_batch)))
+    return inp
+
+
+def _fastest(tables: list[ForwardCost]) -> ForwardCost:
+    """Cell by cell the fastest of several measured passes (a shared machine only ever slows a pass down),
+    made monotone."""
+    return ForwardCost({key: min(t.table[key] for t in tables) for key in tables[0].table}).monotone()
+
+
+def fit_front(inp: Inputs, measured_tok_s: float, requests: int, max_new: int, topology: str) -> float:
+    """The front's per-request seconds that make the simulated autoregressive cell at c = 1 read
+    ``measured_tok_s``: the measured seconds per request less the simulated ones without a front."""
+    ar = next(m for m in inp.strategies if m.k == 0)
+    bare = replicate(inp.unit(0.0, topology), inp.strategy(ar, topology), 1, requests, max_new, seeds=1)
+    return max(0.0, max_new / measured_tok_s - bare.seconds / requests)

@@ -1,0 +1,156 @@
+"""``specserve bench --suite simulate``: the served-step simulation checked against a measured served table,
+then the production-70b projection (issue 32 item 5).
+
+1. **Inputs, measured now in-process** (:mod:`cluster.bench.simulate_inputs`): forward-cost tables, prefill,
+   each row's replayable acceptance and the engine's work per step, on ``--prompts`` held-out prompts x
+   ``--max-new-tokens``.
+2. **The check** (``--measured PATH``: a ``bench_served.json`` the served suite wrote, unary cells): the front's
+   per-request cost is fitted on the autoregressive cell at c = 1 of each topology -- the one fitted parameter
+   -- and every other unary cell is simulated with the same clients, requests and tokens; the table gives
+   measured and simulated tok/s and ratio to autoregressive, the error of each and whether it is within 10 %
+   (the ratio: what the check is about; tok/s: also the batching and the front, and the drift between the
+   served run and this one, which the fitted front absorbs at c = 1 only).
+   Without ``--measured`` the simulated cells of ``--concurrency`` (default 1,4,16) are printed unchecked.
+3. **The projection** of ``configs/production-70b.yaml`` (:mod:`cluster.bench.projection`, cited inputs) at
+   batch 1, 4, 16, 32.
+
+Writes ``simulate_inputs``, ``simulate_calibration`` and ``simulate_projection`` ``.{csv,json}`` to ``--out``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.bench.projection import project
+from cluster.bench.report import print_table, write_results
+from cluster.bench.served import row_specs, servable
+from cluster.bench.simulate import replicate
+from cluster.bench.simulate_inputs import fit_front, measure_inputs
+from cluster.bench.load import parse_concurrency
+from cluster.errors import ParamError, check_int
+from cluster.family.corpus import heldout_prompts
+from cluster.local import build_engine
+
+ROWS = ("autoregressive", "default", "mag")
+TOLERANCE = 0.10
+
+
+def load_measured(path) -> list[dict]:
+    """The unary cells of a served suite's ``bench_served.json``."""
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ParamError("measured", "a bench_served.json the served suite wrote", f"{path} ({e})") from e
+    cells = [r for r in rows if isinstance(r, dict) and r.get("mode") == "unary" and r.get("tok_s")]
+    if not any(r["strategy"] == "autoregressive" and r["concurrency"] == 1 for r in cells):
+        raise ParamError("measured", "a served table with an autoregressive unary cell at c = 1", path)
+    return cells
+
+
+def _within(error_pct: float | None) -> str:
+    return "-" if error_pct is None else "yes" if abs(error_pct) <= 100 * TOLERANCE else "NO"
+
+
+def _err(sim: float, meas: float | None) -> float | None:
+    return round(100.0 * (sim - meas) / meas, 1) if meas else None
+
+
+def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
+    """One row per measured unary cell: measured vs simulated tok/s (pooled over seeds) and ratio to
+    autoregressive."""
+    by = {m.name: m for m in inp.strategies}
+    ar = {(r["topology"], r["concurrency"]): r for r in measured if r["strategy"] == "autoregressive"}
+    out, sim_ar = [], {}
+    for topology in dict.fromkeys(r["topology"] for r in measured):
+        first = ar.get((topology, 1))
+        if first is None:
+            continue
+        front = fit_front(inp, first["tok_s"], first["requests"], max_new, topology)
+        cells = sorted((r for r in measured if r["topology"] == topology and r["strategy"] in by),
+                       key=lambda r: (r["concurrency"], r["strategy"] != "autoregressive"))
+        for r in cells:
+            c, m = r["concurrency"], by[r["strategy"]]
+            res = replicate(inp.unit(front, topology), inp.strategy(m, topology), c, r["requests"], max_new)
+            if m.k == 0:
+                sim_ar[(topology, c)] = res.tok_s
+            base = sim_ar.get((topology, c))
+            ratio = res.tok_s / base if base else None
+            meas_ratio = r.get("vs_autoregressive")
+            fitted = m.k == 0 and c == 1
+            e_tok, e_ratio = _err(res.tok_s, r["tok_s"]), _err(ratio, meas_ratio) if ratio else None
+            out.append(dict(topology=topology, c=c, strategy=r["strategy"], front_ms=round(front * 1e3, 2),
+                            measured_tok_s=r["tok_s"], simulated_tok_s=round(res.tok_s, 1), tok_s_error_pct=e_tok,
+                            measured_ratio=meas_ratio, simulated_ratio=round(ratio, 3) if ratio else None,
+                            ratio_error_pct=e_ratio, sim_step_ms=round(res.step_ms, 2),
+                            sim_tokens_per_step=round(res.tokens_per_row_step, 2),
+                            sim_predraft_hits=round(res.hit_rate, 2),
+                            ratio_within_10pct="fitted" if fitted else "reference" if m.k == 0 else _within(e_ratio),
+                            tok_s_within_10pct="fitted" if fitted else _within(e_tok)))
+    return out
+
+
+def _input_rows(inp) -> list[dict]:
+    rows = [dict(what=f"target forward, {r} rows x {t} tokens", ms=round(1e3 * s, 3))
+            for (r, t), s in sorted(inp.target.table.items())]
+    rows += [dict(what=f"prefill, {r} rows x {inp.prompt_len} tokens", ms=round(1e3 * s, 3))
+             for (r, _), s in sorted(inp.prefill.table.items())]
+    for name, (cost, _) in inp.drafters.items():
+        rows += [dict(what=f"{name} forward, {r} rows x 1 token", ms=round(1e3 * s, 3))
+                 for (r, _), s in sorted(cost.table.items())]
+    for m in inp.strategies:
+        rows.append(dict(what=f"{m.name}: engine work per step at rows {', '.join(f'{r:.1f}' for r, _ in m.overhead)}",
+                         ms=" / ".join(f"{1e3 * o:.3f}" for _, o in m.overhead),
+                         accepted_of_k=" ".join(f"{a:.3f}" for a in m.accepted) if m.accepted else None,
+                         alpha=round(m.alpha, 3) if m.k else None,
+                         in_process_step_ms=" / ".join(f"{v}" for v in m.step_ms.values())))
+    return rows
+
+
+def run(args, cfg) -> int:
+    n = check_int("prompts", args.prompts, 1, 256)
+    max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
+    measured = load_measured(args.measured) if getattr(args, "measured", None) else None
+    engine = build_engine(cfg)
+    prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
+    specs = row_specs(cfg)
+    specs["default"] = (cfg.engine.strategy, dict(cfg.engine.options))     # what a request naming none gets
+    named = {r["strategy"] for r in measured} if measured else set(ROWS)
+    wanted = ["autoregressive"] + sorted(named - {"autoregressive"})
+    wanted = servable(engine, specs, [r for r in wanted if r in specs])
+    inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted})
+    out = Path(args.out)
+    inputs = _input_rows(inp)
+    print_table(inputs, f"simulate: inputs measured in-process now ({cfg.source}; {n} prompts x {max_new} tokens)")
+    write_results(inputs, out, "simulate_inputs")
+    if measured is None:
+        levels = parse_concurrency(getattr(args, "concurrency", None) or "1,4,16")
+        measured = [dict(topology=t, mode="unary", strategy=m.name, concurrency=c, requests=max(2 * c, 8),
+                         tok_s=None, vs_autoregressive=None) for t in ("separated", "colocated") for c in levels
+                    for m in inp.strategies]
+        print("[bench simulate: no --measured served table: simulated cells unchecked; front cost 0]")
+        table = _unchecked(inp, measured, max_new)
+    else:
+        table = calibrate(inp, measured, max_new)
+    counts = {key: (sum(r.get(key) == "yes" for r in table), sum(r.get(key) in ("yes", "NO") for r in table))
+              for key in ("ratio_within_10pct", "tok_s_within_10pct")}
+    (ratio_ok, ratio_n), (tok_ok, tok_n) = counts.values()
+    print_table(table, f"simulate: calibration against {getattr(args, 'measured', None) or '(nothing)'}; "
+                       f"front fitted on autoregressive c=1 only; within 10 %: ratio to autoregressive "
+                       f"{ratio_ok}/{ratio_n} drafting cells, tok/s {tok_ok}/{tok_n} cells")
+    write_results(table, out, "simulate_calibration")
+    proj = project()
+    print_table(proj, "simulate: projection for configs/production-70b.yaml (TP=8, drafters on their own GPU; "
+                      "cited inputs in cluster/bench/projection.py; not measured)")
+    write_results(proj, out, "simulate_projection")
+    print(f"results written to {out}/simulate_{{inputs,calibration,projection}}.{{csv,json}}")
+    return 0
+
+
+def _unchecked(inp, cells, max_new) -> list[dict]:
+    by = {m.name: m for m in inp.strategies}
+    return [dict(topology=r["topology"], c=r["concurrency"], strategy=r["strategy"],
+                 simulated_tok_s=round(res.tok_s, 1), sim_step_ms=round(res.step_ms, 2),
+                 sim_predraft_hits=round(res.hit_rate, 2), ratio_within_10pct="unchecked")
+            for r in cells
+            for res in [replicate(inp.unit(0.0, r["topology"]), inp.strategy(by[r["strategy"]], r["topology"]),
+                                 r["concurrency"], r["requests"], max_new)]]

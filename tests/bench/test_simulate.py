@@ -1,0 +1,147 @@
+"""The served-step simulation (cluster.bench.simulate): literal cases whose answers follow from the inputs."""
+import argparse
+import json
+
+import pytest
+
+from cluster.bench import SUITES
+from cluster.bench.simulate import Strategy, Unit, simulate
+from cluster.bench.simulate_suite import load_measured
+from cluster.config.schema import load_config
+from cluster.errors import ParamError
+from cluster.family import ensure_built
+from cluster.core.forward_cost import ForwardCost
+
+TARGET = ForwardCost({(1, 1): 0.004, (1, 5): 0.005, (16, 1): 0.008, (16, 5): 0.012})
+DRAFTER = ForwardCost({(1, 1): 0.001, (16, 1): 0.002})
+
+
+def test_autoregressive_at_one_client_is_one_token_per_target_forward():
+    res = simulate(Unit(TARGET), Strategy("autoregressive"), clients=1, requests=3, new_tokens=50)
+    assert res.tok_s == pytest.approx(1 / 0.004, rel=1e-12)
+    assert res.steps == 150 and res.step_ms == pytest.approx(4.0)
+
+
+def test_full_acceptance_with_free_drafting_gives_k_plus_one_tokens_per_step():
+    for k in (1, 4, 7):
+        res = simulate(Unit(TARGET), Strategy("mag", k=k, alpha=1.0), clients=1, requests=2, new_tokens=8 * (k + 1))
+        assert res.tokens_per_row_step == pytest.approx(k + 1)
+        assert res.steps == 16
+        assert res.tok_s == pytest.approx((k + 1) / TARGET(1, k + 1))
+
+
+def test_replayed_histogram_of_all_rejections_is_one_token_per_step():
+    res = simulate(Unit(TARGET), Strategy("s", k=4, drafter=DRAFTER, accepted=(1.0, 0, 0, 0, 0)), 1, 1, 20)
+    assert res.steps == 20 and res.tok_s == pytest.approx(1 / (4 * 0.001 + 0.005))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("clients", [1, 4, 16])
+@pytest.mark.parametrize("rtt", [0.0, 0.002])
+def test_predrafting_is_never_slower_than_synchronous(alpha, clients, rtt):
+    common = dict(k=4, drafter=DRAFTER, alpha=alpha, separated=True, rtt=rtt)
+    sync = simulate(Unit(TARGET), Strategy("sync", **common), clients, 2 * clients, 64, seed=3)
+    pre = simulate(Unit(TARGET), Strategy("pre", predraft=True, **common), clients, 2 * clients, 64, seed=3)
+    assert pre.tokens == sync.tokens
+    assert pre.seconds <= sync.seconds * (1 + 1e-12)
+    if alpha == 1.0 and clients <= 8:   # every bet comes true: after the first step no row drafts on the path
+        assert pre.hit_rate > 0.9 and pre.seconds < sync.seconds
+    if alpha == 0.0:
+        assert pre.hits == 0
+
+
+@pytest.mark.parametrize("clients", [1, 2, 5, 16, 32])
+def test_c_clients_of_one_request_each_finish_c_times_n_tokens(clients):
+    for s in (Strategy("autoregressive"), Strategy("s", k=4, drafter=DRAFTER, alpha=0.7, separated=True,
+                                                   rtt=0.001, predraft=True)):
+        res = simulate(Unit(TARGET, max_batch=16), s, clients, clients, 40, seed=2)
+        assert (res.requests, res.tokens) == (clients, clients * 40)
+
+
+@pytest.mark.parametrize("clients", [1, 3, 8, 20])
+def test_every_client_finishes_its_requests(clients):
+    unit = Unit(TARGET, prefill=lambda rows: 0.001 * rows, front_request=0.002, max_batch=8)
+    res = simulate(unit, Strategy("s", k=4, drafter=DRAFTER, alpha=0.6), clients, 2 * clients, 33, seed=1)
+    assert res.requests == 2 * clients and res.tokens == 2 * clients * 33
+    assert res.row_steps <= 8 * res.steps
+
+
+def test_batching_beats_one_client_and_a_full_batch_is_capped():
+    one = simulate(Unit(TARGET), Strategy("autoregressive"), 1, 4, 32)
+    many = simulate(Unit(TARGET), Strategy("autoregressive"), 16, 16, 32)
+    assert many.tok_s == pytest.approx(16 / 0.008)          # 16 rows per 8 ms forward
+    assert many.tok_s > 7 * one.tok_s
+    capped = simulate(Unit(TARGET, max_batch=4), Strategy("autoregressive"), 16, 16, 32)
+    assert capped.row_steps == 4 * capped.steps
+
+
+def test_the_same_seed_gives_the_same_cell_and_another_seed_another():
+    s = Strategy("s", k=4, drafter=DRAFTER, alpha=0.6, separated=True, rtt=0.001, predraft=True)
+    a, b = (simulate(Unit(TARGET), s, 4, 12, 64, seed=7) for _ in range(2))
+    assert (a.tokens, a.seconds, a.steps, a.hits) == (b.tokens, b.seconds, b.steps, b.hits)
+    c = simulate(Unit(TARGET), s, 4, 12, 64, seed=8)
+    assert (c.seconds, c.steps) != (a.seconds, a.steps)
+
+
+def test_the_front_and_the_round_trip_cost_what_they_say():
+    s = Strategy("mag", k=4, alpha=0.0, separated=True, rtt=0.002)
+    res = simulate(Unit(TARGET, front_request=0.01), s, 1, 1, 10)
+    assert res.seconds == pytest.approx(0.01 + 10 * (0.002 + TARGET(1, 5)))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="clients"):
+        simulate(Unit(TARGET), Strategy("x"), 0, 1, 1)
+
+
+def _cell(topology, strategy, c, tok_s, ratio):
+    return dict(topology=topology, mode="unary", strategy=strategy, concurrency=c, requests=max(2 * c, 2),
+                tok_s=tok_s, vs_autoregressive=ratio)
+
+
+def test_the_suite_fits_the_front_on_autoregressive_at_one_client_and_checks_every_other_cell(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    ensure_built(cfg, progress=False)
+    measured = [_cell(t, s, c, 20.0 * c * (1.3 if s == "default" else 1.0), 1.3 if s == "default" else 1.0)
+                for t in ("separated", "colocated") for c in (1, 2) for s in ("autoregressive", "default")]
+    measured.append(dict(topology="separated", mode="streamed", strategy="default", concurrency=1, tok_s=1.0))
+    path = tmp_path / "bench_served.json"
+    path.write_text(json.dumps(measured))
+    args = argparse.Namespace(prompts="2", max_new_tokens="8", temperature="0", out=str(tmp_path), measured=str(path))
+    assert SUITES["simulate"](args, cfg) == 0
+    table = json.loads((tmp_path / "simulate_calibration.json").read_text())
+    assert len(table) == 8                                   # the unary cells only
+    for r in table:
+        fitted = r["strategy"] == "autoregressive" and r["c"] == 1
+        assert r["tok_s_within_10pct"] == ("fitted" if fitted else "yes" if abs(r["tok_s_error_pct"]) <= 10 else "NO")
+        assert r["ratio_within_10pct"] == ("fitted" if fitted else "reference" if r["strategy"] == "autoregressive"
+                                           else "yes" if abs(r["ratio_error_pct"]) <= 10 else "NO")
+        if fitted:       # 20 tok/s is far slower than tiny models: the front absorbs it, exactly
+            assert r["simulated_tok_s"] == pytest.approx(20.0, abs=0.1) and r["front_ms"] > 0
+    projection = json.loads((tmp_path / "simulate_projection.json").read_text())
+    assert {r["batch"] for r in projection} == {1, 4, 16, 32}
+    inputs = json.loads((tmp_path / "simulate_inputs.json").read_text())
+    assert any(r["what"].startswith("target forward, 1 rows x 5 tokens") and r["ms"] > 0 for r in inputs)
+
+
+def test_a_measured_table_without_its_reference_cell_is_refused(tmp_path):
+    path = tmp_path / "bench_served.json"
+    path.write_text(json.dumps([_cell("separated", "default", 4, 10.0, 1.0)]))
+    with pytest.raises(ParamError, match="measured"):
+        load_measured(path)
+    with pytest.raises(ParamError, match="measured"):
+        load_measured(tmp_path / "missing.json")
+
+
+def test_without_a_measured_table_the_cells_are_simulated_unchecked(tmp_path, capsys):
+    cfg = load_config("configs/tiny.yaml")
+    ensure_built(cfg, progress=False)
+    args = argparse.Namespace(prompts="2", max_new_tokens="6", temperature="0", out=str(tmp_path), measured=None,
+                              concurrency="1,2")
+    assert SUITES["simulate"](args, cfg) == 0
+    assert "no --measured served table" in capsys.readouterr().out
+    table = json.loads((tmp_path / "simulate_calibration.json").read_text())
+    strategies = {r["strategy"] for r in table}
+    assert "autoregressive" in strategies and "default" in strategies      # tiny serves no Max-Gram drafter
+    assert {(r["topology"], r["c"]) for r in table} == {(t, c) for t in ("separated", "colocated") for c in (1, 2)}
+    assert all(r["ratio_within_10pct"] == "unchecked" and r["simulated_tok_s"] > 0 for r in table)
