@@ -1,11 +1,11 @@
 """Edit workload: predicted outputs (OpenAI's ``prediction``) on held-out source files with a small change asked for.
 
 Each case is a snippet of a held-out standard-library file (never trained on; :func:`cluster.family.corpus.heldout_prompts`
-cuts it at line boundaries) written out as the file before an edit, then the header of the file after a small change
-and its unchanged first line; the model writes the rest.  Two predictions, as a client would send them:
+cuts it at line boundaries) written out as the file before an edit, then the header of the file after a small change;
+the model writes the file after it (:func:`edit_cases`).  Two predictions, as a client would send them:
 
-* ``file``: the rest of the original snippet (OpenAI's predicted-outputs case: "regenerating a file with a small
-  change").  It helps only as far as the target's output follows the file;
+* ``file``: the original snippet (OpenAI's predicted-outputs case: "regenerating a file with a small change").
+  It helps only as far as the target's output follows the file;
 * ``regenerate``: the target's own earlier answer to the same prompt with a small edit (two tokens replaced a third
   of the way in): the case where the output does follow the prediction except around a change, e.g. a client
   asking again for an answer it has, with one thing changed.
@@ -38,14 +38,21 @@ GREEDY = SamplingParams(0.0)
 
 
 def edit_cases(tokenizer, n: int, snippet_tokens: int = SNIPPET_TOKENS) -> list[dict]:
-    """``n`` cases ``{"prompt", "prediction", "source", "change"}`` from the held-out files."""
+    """``n`` cases ``{"prompt", "prediction", "source", "change"}`` from the held-out files.
+
+    The prompt ends with the header line of the edited file (``...after the edit (change):``) and the model
+    writes the file from its first line break on; the prediction is that text as the original file has it (the
+    line break and the snippet).  The prompt never ends with a line break itself: the family's byte-level BPE
+    merges a line break with the next line's indentation (``"\n        "`` is one token), so a prompt cut
+    after one ends in a token the model never saw before an indented line and it writes degenerate text
+    (``\"\"\"`` then ``#`` lines, measured on every case of the previous workload, which ended each prompt
+    with the snippet's first line and its line break)."""
     out = []
     for i, p in enumerate(heldout_prompts(tokenizer, n, prompt_tokens=snippet_tokens, continuation_tokens=8, seed=33)):
         change = CHANGES[i % len(CHANGES)]
         snippet = p["prompt"] if p["prompt"].endswith("\n") else p["prompt"] + "\n"
-        first, rest = snippet.split("\n", 1)
-        prompt = f"# {p['source']}, before the edit:\n{snippet}# {p['source']}, after the edit ({change}):\n{first}\n"
-        out.append({"prompt": prompt, "prediction": rest or snippet, "source": p["source"], "change": change})
+        prompt = f"# {p['source']}, before the edit:\n{snippet}# {p['source']}, after the edit ({change}):"
+        out.append({"prompt": prompt, "prediction": "\n" + snippet, "source": p["source"], "change": change})
     return out
 
 

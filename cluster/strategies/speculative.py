@@ -7,6 +7,8 @@ the draft side (speculative, mag, specdec_pp, cs_drafting): only the :class:`Dra
 """
 from __future__ import annotations
 
+import torch
+
 from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.strategies.autoregressive import plain_step
@@ -63,10 +65,10 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     """One draft-score-verify step: a block of at most ``k`` drafts from the draft side (one call), one
     target forward over it, the verifier's verdict; returns the emitted tokens (accepted + 1).
 
-    With a predicted output (:mod:`cluster.core.prediction`) a prediction-backed block takes precedence where
-    the generated suffix occurs in the prediction (its own length: the prediction's ``k``, within the step's
-    budget; none while the planner says 0): deterministic drafts, verified like the Max-Gram drafter's, and the
-    draft side is not asked this step.
+    With a predicted output (:mod:`cluster.core.prediction`) the block is the draft side's extended by the
+    prediction's continuation where the draft agrees with the prediction, or, while the output is in step with
+    the prediction, the prediction's continuation alone (the draft side is not asked that step); the
+    prediction's tokens are deterministic drafts (one-hot q), within the budget.
 
     ``k = 0`` (the planner's plain decoding, a last step with room for one token) is an autoregressive step,
     :func:`cluster.strategies.autoregressive.plain_step`, and costs what one costs: the draft side is neither
@@ -76,27 +78,32 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
         ctx.skip(DRAFTS)
         return (yield from plain_step(ctx))
     ctx.catch_up(DRAFTS)
-    predicted = ctx.prediction.draft(ctx.tokens, ctx.budget - 1) if ctx.prediction is not None else []
-    if predicted:
-        block = DraftBlock(predicted)                                                  # one-hot q
+    pred = ctx.prediction
+    lead = pred.lead(ctx.tokens, ctx.budget - 1) if pred is not None else []
+    if lead:
+        block = DraftBlock(lead)                                                       # one-hot q
     else:
         block = yield Draft(DRAFTS, spec, k, ctx.budget)                                # tokens [L], q [L, V]
+    own = 0 if lead else len(block.tokens)                                            # the draft side's tokens
+    more = pred.follow(ctx.tokens, block.tokens, ctx.budget - 1 - own) if pred is not None and not lead else []
     for name, n in block.forwards.items():
         ctx.stats.forward(name, n)
-    draft = block.tokens
+    draft = block.tokens + more
     p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
     p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
     ctx.stats.forward(ctx.target_name, target=True)
-    q = block.probs(p.shape[-1], ctx.sampling) if draft else p[:0]                # [L, V]
+    q = block.probs(p.shape[-1], ctx.sampling) if block.tokens else p[:0]         # [L, V]
+    if more:                                   # the prediction's continuation: deterministic, one-hot rows
+        q = torch.cat([q, torch.nn.functional.one_hot(torch.tensor(more), p.shape[-1]).to(q.dtype)])
     verdict = verify(draft, q, p, ctx.rng)
     if draft:
         ctx.stats.verification(len(draft), verdict.accepted)
     emitted = draft[:verdict.accepted] + [verdict.next_token]
-    if predicted:                      # the draft side holds no block this step: it is told the emitted tokens
-        ctx.stats.prediction(len(draft), verdict.accepted)
-        ctx.commit([ctx.target], verdict.accepted, [verdict.next_token])
-        ctx.commit([ctx.models[DRAFTS]], 0, emitted)
-    else:
-        ctx.commit([ctx.target, ctx.models[DRAFTS]], verdict.accepted, [verdict.next_token])
+    if len(draft) > own:                                             # the prediction drafted positions own..
+        ctx.stats.prediction(len(draft) - own, max(0, verdict.accepted - own))
+        pred.verified(len(draft) - own, max(0, verdict.accepted - own))
+    kept = min(verdict.accepted, own)      # the draft side holds only its own block: the rest is told to it
+    ctx.commit([ctx.target], verdict.accepted, [verdict.next_token])
+    ctx.commit([ctx.models[DRAFTS]], kept, emitted[kept:])
     ctx.record_logprobs(p_logits, emitted)
     return emitted

@@ -36,7 +36,10 @@ def test_prediction_leaves_greedy_output_unchanged_and_reports_its_tokens(app, p
         details = out["usage"]["completion_tokens_details"]
         assert details == {"accepted_prediction_tokens": st["prediction_accepted"],
                            "rejected_prediction_tokens": st["prediction_drafted"] - st["prediction_accepted"]}
-        assert st["prediction_drafted"] > 0                           # the prediction's start is always drafted
+        # the answer itself predicted: the prediction leads -- where its text re-encodes to the answer's tokens
+        # (the tiny models' bytes are not always UTF-8: U+FFFD in the text)
+        if content != "x = 1\n" * 9 and "\ufffd" not in text:
+            assert st["prediction_accepted"] > 0
     events = _post(a, path, {**base, "stream": True, "stream_options": {"include_usage": True},
                              "prediction": {"type": "content", "content": text}}).sse_chunks()
     last = events[-1]

@@ -3,7 +3,9 @@
 Exact enumeration (tests/support/exact.py) of concurrent requests with and without a prediction, under
 speculative (token and block verification), mag and cs_drafting, sampled and greedy: each request emits exactly
 the target's law and the joint is the product (batching couples nothing); prediction-backed drafts were both
-accepted and rejected on the enumerated paths.  Greedy on the tiny real models: the output with any
+accepted and rejected on the enumerated paths, and both rules of cluster/core/prediction.py made blocks there
+(the prediction's continuation alone, and a drafter's block -- sampled, sparse, or a cascade's -- extended by
+it).  Greedy on the tiny real models: the output with any
 prediction (the true output, an edited one, an unrelated one) equals the output without, alone and batched.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from cluster.config.schema import MagSpec, load_config
+from cluster.core.prediction import Prediction
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError
@@ -32,14 +35,14 @@ from tests.support.exact import (
 
 V = 3
 # pairs of concurrent requests: (prompt, new tokens, sampling, strategy, options, prediction text: letters A..
-# are tokens 0..)
+# are tokens 0..).  Short drafter blocks leave room in the budget for the prediction's continuation after them
 CASES = [
-    [([0, 1], 3, SamplingParams(1.0), "speculative", dict(drafter="d", k=2), "ABAB"),
+    [([0, 1], 5, SamplingParams(1.0), "speculative", dict(drafter="d", k=1), "CBCB"),
      ([1, 1], 2, SamplingParams(1.0), "speculative", dict(drafter="d", k=2), None)],
-    [([2, 1], 2, SamplingParams(0.8), "speculative", dict(drafter="d", k=2, verify="block"), "CAB"),
-     ([1], 3, SamplingParams(1.0, top_k=2), "mag", dict(k=2), "BBA")],
-    [([0], 2, SamplingParams(1.0), "cs_drafting", dict(drafters="d,mag", kmatrix="1,1;0,2", lenience=2.0), "AC"),
-     ([2, 0], 3, SamplingParams(0.0), "mag", dict(k=1), "ABC")],
+    [([2, 1], 4, SamplingParams(0.8), "speculative", dict(drafter="d", k=1, verify="block"), "BCA"),
+     ([1], 3, SamplingParams(1.0, top_k=2), "mag", dict(k=1), "ABA")],
+    [([0], 4, SamplingParams(1.0), "cs_drafting", dict(drafters="d,mag", kmatrix="1,0;0,1", lenience=2.0), "ACAB"),
+     ([2, 0], 3, SamplingParams(0.0), "mag", dict(k=1), "CABC")],
 ]
 
 
@@ -70,15 +73,23 @@ def _joint(models, reqs, totals):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_predicted_requests_are_exact_and_independent(case):
+def test_predicted_requests_are_exact_and_independent(case, monkeypatch):
     reqs, models = CASES[case], _models(case)
     totals = {"drafted": 0, "accepted": 0}
+    used = {"lead": 0, "follow": 0}                           # blocks made by each rule on the enumerated paths
+    for rule in used:
+        def counted(self, *args, _rule=rule, _f=getattr(Prediction, rule)):
+            out = _f(self, *args)
+            used[_rule] += bool(out)
+            return out
+        monkeypatch.setattr(Prediction, rule, counted)
     joint = _joint(models, reqs, totals)
     want = [target_joint(models["target"], list(p), n, s) for p, n, s, *_ in reqs]
     for i, (_, _, _, strategy, _, pred) in enumerate(reqs):
         assert max_abs_diff(marginal(joint, i), want[i]) < 1e-9, (strategy, pred)
     assert max_abs_diff(joint, product(want)) < 1e-9
     assert 0 < totals["accepted"] < totals["drafted"]         # both paths of the prediction's drafts ran
+    assert used["lead"] and used["follow"]       # blocks of the prediction alone, and drafter blocks it extended
 
 
 def test_prediction_is_checked():
