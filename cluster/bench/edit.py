@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cluster.bench.measure import drafting_rows
 from cluster.bench.report import Row, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
@@ -62,23 +63,12 @@ def regenerated(reference: list[int], tokenizer) -> list[int]:
     return reference[:m] + tokenizer.encode(" value") + reference[m + 2:]
 
 
-def _variants(cfg, engine) -> list[tuple[str, str, dict]]:
-    rows = [("autoregressive", "autoregressive", {})]
-    drafter = cfg.engine.options.get("drafter") or next(iter(cfg.drafters), None)
-    if drafter in engine.models:
-        rows.append((f"speculative {drafter} k=4", "speculative", {"drafter": drafter, "k": 4}))
-    if cfg.mag is not None:
-        rows.append(("mag k=4", "mag", {"k": 4}))
-        rows.append(("cs_drafting", "cs_drafting", {}))
-    return rows
-
-
 def run(args, cfg) -> int:
     engine = build_engine(cfg)
     n = check_int("prompts", args.prompts, 1, 64)
     cases = edit_cases(engine.tokenizer, n)
     runs = []                                  # (row name, strategy, options, prediction: None, file, regenerate)
-    for name, strategy, options in _variants(cfg, engine):
+    for name, strategy, options in drafting_rows(cfg, engine):
         runs.append((name, strategy, options, None))
         if strategy != "autoregressive":
             runs += [(f"{name} + prediction {kind}", strategy, options, kind) for kind in ("file", "regenerate")]

@@ -23,6 +23,7 @@ import torch
 
 from cluster.bench import served
 from cluster.bench.load import parse_runtimes
+from cluster.bench.measure import drafting_rows
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import measure_costs
@@ -58,17 +59,6 @@ def choose_device(requested: str | None) -> str | None:
     return requested
 
 
-def strategies(cfg, engine) -> list[tuple[str, str, dict]]:
-    """(row name, strategy, options): autoregressive first, then each drafting strategy the config serves."""
-    rows = [("autoregressive", "autoregressive", {})]
-    drafter = cfg.engine.options.get("drafter") or next(iter(cfg.drafters), None)
-    if drafter in engine.models:
-        rows.append((f"speculative {drafter} k=4", "speculative", {"drafter": drafter, "k": 4}))
-    if cfg.mag is not None:
-        rows += [("mag k=4", "mag", {"k": 4}), ("cs_drafting", "cs_drafting", {})]
-    return rows
-
-
 def exactness(engine, cfg, prompts: list[str], max_new: int) -> list[dict]:
     """Greedy outputs of every strategy, alone and batched, against autoregressive's; tok/s of the lone runs."""
     def request(strategy, options, prompt):
@@ -76,7 +66,7 @@ def exactness(engine, cfg, prompts: list[str], max_new: int) -> list[dict]:
                                  strategy=strategy, options=dict(options), ignore_eos=True)
 
     out, reference = [], None
-    for name, strategy, options in strategies(cfg, engine):
+    for name, strategy, options in drafting_rows(cfg, engine):
         engine.generate(request(strategy, options, prompts[0]))                   # warm-up (not timed)
         t0 = time.perf_counter()
         alone = [engine.generate(request(strategy, options, p)).token_ids for p in prompts]

@@ -109,3 +109,15 @@ def has_loop(token_ids: Sequence[int], n: int = 4, times: int = 3) -> bool:
         if counts[g] >= times:
             return True
     return False
+
+
+def drafting_rows(cfg, engine) -> list[tuple[str, str, dict]]:
+    """(row name, strategy, options) that the suites compare: autoregressive first, then speculative with the
+    config's drafter (k = 4), and mag and cs_drafting where the config serves the Max-Gram drafter."""
+    rows = [("autoregressive", "autoregressive", {})]
+    drafter = cfg.engine.options.get("drafter") or next(iter(cfg.drafters), None)
+    if drafter in engine.models:
+        rows.append((f"speculative {drafter} k=4", "speculative", {"drafter": drafter, "k": 4}))
+    if cfg.mag is not None:
+        rows += [("mag k=4", "mag", {"k": 4}), ("cs_drafting", "cs_drafting", {})]
+    return rows
