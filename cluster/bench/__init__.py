@@ -1,23 +1,44 @@
 """Benchmarks: one module per suite, :mod:`cluster.bench.report` shared by all (and importing none).
 
-``SUITES`` maps a suite name (``specserve bench --suite``) to its ``run(args, cfg) -> exit code``.
+``SUITES`` maps a suite name (``specserve bench --suite``) to its ``run(args, cfg) -> exit code``.  A suite's
+module is imported when it is first looked up, not with the package: so a machine that has only what the
+in-process engine needs (torch, transformers; a lent GPU machine, say) runs ``--suite gpu --runtime
+in-process`` without Ray, Serve or the grammar engine installed.
 """
 from __future__ import annotations
 
-from cluster.bench import (cluster, cs, edit, gpu, grammar, load, main, served, simulate_suite, spec_cascades,
-                           transport, verify)
+from collections.abc import Iterator, Mapping
+from importlib import import_module
+from typing import Callable
 
-SUITES = {
-    "main": main.run,
-    "cluster": cluster.run,
-    "verify": verify.run_verify,
-    "cascades": spec_cascades.run_cascades,
-    "cs": cs.run,
-    "load": load.run,
-    "served": served.run,
-    "transport": transport.run,
-    "edit": edit.run,
-    "grammar": grammar.run,
-    "gpu": gpu.run,
-    "simulate": simulate_suite.run,
+_WHERE = {                                   # suite -> (module under cluster.bench, function)
+    "main": ("main", "run"),
+    "cluster": ("cluster", "run"),
+    "verify": ("verify", "run_verify"),
+    "cascades": ("spec_cascades", "run_cascades"),
+    "cs": ("cs", "run"),
+    "load": ("load", "run"),
+    "served": ("served", "run"),
+    "transport": ("transport", "run"),
+    "edit": ("edit", "run"),
+    "grammar": ("grammar", "run"),
+    "gpu": ("gpu", "run"),
+    "simulate": ("simulate_suite", "run"),
 }
+
+
+class _Suites(Mapping):
+    """The registry, read like a dict; each value is the suite's ``run`` function, imported on first use."""
+
+    def __getitem__(self, name: str) -> Callable:
+        module, function = _WHERE[name]
+        return getattr(import_module(f"cluster.bench.{module}"), function)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_WHERE)
+
+    def __len__(self) -> int:
+        return len(_WHERE)
+
+
+SUITES: Mapping[str, Callable] = _Suites()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench import served
+from cluster.bench import SUITES
 from cluster.bench.load import parse_runtimes
 from cluster.bench.measure import drafting_rows
 from cluster.bench.report import print_table, write_results
@@ -123,5 +123,5 @@ def run(args, cfg) -> int:
         write_results(costs, out, "gpu_forward_costs")
         rc |= int(any(r["equal_alone"] != r["prompts"] or r["equal_batched"] != r["prompts"] for r in equal))
     if "cluster" in runtimes:
-        rc |= served.run(args, cfg)
+        rc |= SUITES["served"](args, cfg)      # imports Ray and Serve only here: the in-process part needs neither
     return rc
