@@ -7,7 +7,10 @@
    engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
    and the drafter's cost over the target's one-token forward at the same batch, ``c``: the inputs that
    :mod:`cluster.bench.projection`'s simulation takes as cited estimates today.
-3. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
+3. **The production layout's shapes there** (CUDA only; :mod:`cluster.bench.gpu_shapes`): forward ms of a
+   70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the projection
+   (:mod:`cluster.bench.projection`) rerun on those measured costs in place of its cited ones.
+4. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
    coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.
 
 Without a CUDA device it stops (exit 2) and says so, unless ``--device cpu`` asks for the same procedure on the
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench import SUITES
+from cluster.bench import SUITES, gpu_shapes, projection
 from cluster.bench.load import parse_runtimes
 from cluster.bench.measure import drafting_rows
 from cluster.bench.report import print_table, write_results
@@ -99,6 +102,25 @@ def forward_costs(engine, cfg) -> list[dict]:
     return rows
 
 
+def production_shapes(device: str, name: str, out: Path) -> None:
+    """Step 3: the production shapes' forward costs, eager and replayed from a CUDA graph, and the projection
+    on each (all printed and written)."""
+    shapes = gpu_shapes.shape_costs(device, graphed=True)
+    print_table(shapes, f"gpu: production shapes' forward ms on {device} ({name}), random bf16 weights, "
+                        f"{gpu_shapes.CONTEXT} cached positions per row; eager and CUDA-graphed")
+    columns = ["ms"] + (["graphed_ms"] if all(r.get("graphed_ms") for r in shapes) else [])
+    inputs = [dict(costs=c, **gpu_shapes.projection_inputs(shapes, column=c)) for c in columns]
+    print_table(inputs, f"gpu: projection inputs measured here (target + {gpu_shapes.ALLREDUCE_MS:.1f} ms of "
+                        "cited all-reduces); cited ones: " + str({k: projection.INPUTS[k] for k in inputs[0]
+                                                                  if k in projection.INPUTS}))
+    projected = [dict(costs=i["costs"], **row) for i in inputs
+                 for row in projection.project({k: v for k, v in i.items() if k != "costs"})]
+    print_table(projected, "gpu: production-70b projection on the measured forward costs")
+    write_results(shapes, out, "gpu_shapes")
+    write_results(inputs, out, "gpu_projection_inputs")
+    write_results(projected, out, "gpu_projection")
+
+
 def run(args, cfg) -> int:
     device = choose_device(getattr(args, "device", None))
     if device is None:
@@ -122,6 +144,8 @@ def run(args, cfg) -> int:
         write_results(equal, out, "gpu_exactness")
         write_results(costs, out, "gpu_forward_costs")
         rc |= int(any(r["equal_alone"] != r["prompts"] or r["equal_batched"] != r["prompts"] for r in equal))
+        if device.startswith("cuda"):
+            production_shapes(device, name, out)
     if "cluster" in runtimes:
         rc |= SUITES["served"](args, cfg)      # imports Ray and Serve only here: the in-process part needs neither
     return rc

@@ -1,35 +1,40 @@
 """A projection of the served table for ``configs/production-70b.yaml``'s layout, by the served-step simulation
 (:mod:`cluster.bench.simulate`, checked against this machine's served table first: ``--suite simulate``).
 
-No GPU was lent to the session that wrote this, and no 70B weights can be fetched here, so the production
-layout (a Llama-3.1-70B-class target over TP = 8 on one H100 node; a ~1B drafter in the draft-group actor on
-its own GPU; the Max-Gram drafter beside it) is projected, not measured.  Inputs (per forward, bf16):
+No 70B weights can be fetched here, so the production layout (a Llama-3.1-70B-class target over TP = 8 on
+one GPU node; a ~1B drafter in the draft-group actor on its own GPU; the Max-Gram drafter beside it) is
+projected.  Its forward costs were MEASURED on a lent NVIDIA H200 (2026-11-26, ``specserve bench --suite gpu``:
+:mod:`cluster.bench.gpu_shapes`, the same shapes with random bf16 weights, transformers 5.23 eager, as the
+engine runs them, 512 cached positions per row); the rest is cited:
 
-* target decode forward, one token, batch 1: **9 ms** -- decoding is bound by reading the weights: 141 GB over
-  8 GPUs is 17.6 GB per H100 at 3.35 TB/s = 5.3 ms at full bandwidth (Austin et al., *How to Scale Your Model*,
-  "Serving LLaMA 3-70B"), ~60 % of peak in practice plus 2 all-reduces per layer over NVLink;
-* verifying k + 1 = 5 tokens costs **1.05x** one token (still weight-bound: 5 x rows tokens stay far below the
-  H100's ~300 tokens of critical batch), and batch 32 costs **1.4x** batch 1 (KV reads grow with rows);
-* drafter forward (~1B, one GPU): **2 ms** (launch-bound at this size: 16 layers of small kernels);
+* target decode forward, one token, batch 1: **44.8 ms** -- one TP rank's forward measured 42.4 ms, plus
+  2.4 ms of all-reduces (2 per layer, ~15 us each on NVLink: cited in :mod:`cluster.bench.gpu_shapes`).  Eager
+  transformers is bound by launching kernels, not by reading weights (17.6 GB per rank would take ~4 ms at the
+  H200's 4.8 TB/s): replayed from a CUDA graph, the same forward took 14.2 ms.  The cited weight-bound estimate
+  this replaces was 9 ms;
+* verifying k + 1 = 5 tokens costs **1.14x** one token, and batch 32 costs **1.09x** batch 1 (measured);
+* drafter forward (~1B, one GPU): **9.3 ms**, and 0.94x that at 32 rows (measured: 16 layers of launch-bound
+  eager kernels; 2.5 ms from a CUDA graph);
 * one Ray actor round trip: **1 ms** (0.6 ms measured here, docs/cluster.md), drafts as token ids (8 B each);
 * acceptance per token **0.8** for drafter-large (a 70B/1B pair of one family; nano-PEARL and SwiftSpec report
   multi-x speedups at batch 1 on such pairs), 0.5 for the Max-Gram drafter, i.i.d. per position;
 * prompt prefill: a 64-token prompt per row, priced as one decode forward times (1 + tokens / 300): the
-  forward stays weight-bound up to the H100's critical batch of ~300 tokens (Austin et al., ibid., "Roofline");
+  forward stays weight-bound up to the H100's critical batch of ~300 tokens (Austin et al., *How to Scale Your
+  Model*, "Roofline");
 * the front (Serve's proxy and deployment): **2 ms** per request, about three actor hops at the 0.6 ms measured
-  here; the engine's own work per step is taken as part of the 9 ms.
+  here; the engine's own work per step is taken as part of the target's forward.
 
 Pre-drafting follows today's draft side: only for calls of at most ``DraftSide.MAX_ROWS`` rows.
-What a GPU run has to confirm: the target's cost curve in tokens and rows (``specserve bench --suite served``
-on the production config measures it through the planner's start-up grid), the drafter's launch-bound cost,
-the round trip through Ray between GPU nodes, the pre-draft hit rate, and the acceptance rates.
+Still to confirm on GPUs: the round trip through Ray between GPU nodes, the pre-draft hit rate and the
+acceptance rates of a real 70B/1B pair (no weights here), and the served suite there (the lent machine had no
+Ray; its wheel alone is over the 64 MiB a device call carries).
 """
 from __future__ import annotations
 
 from cluster.bench.simulate import Strategy, Unit, replicate
 from cluster.core.forward_cost import ForwardCost
 
-INPUTS = dict(target_ms=9.0, verify_factor=1.05, batch32_factor=1.4, draft_ms=2.0, draft_batch32_factor=1.2,
+INPUTS = dict(target_ms=44.8, verify_factor=1.14, batch32_factor=1.09, draft_ms=9.3, draft_batch32_factor=0.94,
               rtt_ms=1.0, alpha_drafter=0.8, alpha_mag=0.5, k=4, prompt_tokens=64, critical_tokens=300,
               front_ms=2.0, new_tokens=128)
 BATCHES = (1, 4, 16, 32)

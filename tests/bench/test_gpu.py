@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cluster.bench import SUITES, gpu
+from cluster.bench import SUITES, gpu, gpu_shapes, projection
 from cluster.config.schema import load_config
 from cluster.errors import ParamError
 from cluster.family import ensure_built
@@ -56,3 +56,44 @@ def test_the_procedure_on_the_cpu(tmp_path):
     assert all(r["c_vs_target"] == 1.0 for (_, t), r in target.items() if t == 1)
     drafters = {r["model"] for r in costs} - {cfg.target}
     assert drafters == set(cfg.drafters) and all(r["ms"] > 0 for r in costs)
+
+
+TINY_SHAPES = {name: dict(shape, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+                          head_dim=16, num_attention_heads=4, num_key_value_heads=2)
+               for name, shape in gpu_shapes.SHAPES.items()}
+
+
+def test_production_shapes_are_timed_per_cell_and_become_the_projections_inputs():
+    rows = gpu_shapes.shape_costs("cpu", TINY_SHAPES, rows=(1, 32), tokens=(1, 5), context=8, iters=2, warmup=1,
+                                  dtype=torch.float32)
+    assert [(r["shape"], r["rows"], r["tokens"]) for r in rows] == [
+        (s, r, t) for s in TINY_SHAPES for r in (1, 32) for t in (1, 5)]
+    assert all(r["ms"] > 0 for r in rows) and rows[0]["vs_1x1"] == 1.0
+    inputs = gpu_shapes.projection_inputs(rows)
+    assert set(inputs) <= set(projection.INPUTS)
+    ms = {(r["shape"], r["rows"], r["tokens"]): r["ms"] for r in rows}
+    t1 = ms[("target-tp8-rank", 1, 1)] + gpu_shapes.ALLREDUCE_MS
+    assert inputs["target_ms"] == pytest.approx(t1, abs=1e-3)
+    assert inputs["draft_batch32_factor"] == pytest.approx(ms[("drafter-1b", 32, 1)] / ms[("drafter-1b", 1, 1)],
+                                                           rel=1e-2)
+    assert projection.project(inputs, batches=(1,), seeds=1)      # the projection runs on measured inputs
+
+
+def test_a_70b_rank_and_a_1b_drafter_have_the_sizes_they_stand_for():
+    """The shapes are what they claim, counted on the meta device (no memory): a 70B target's rank is about an
+    eighth of 70.6B parameters, the drafter about 1.24B (Llama-3.2-1B)."""
+    sizes = {}
+    for name, shape in gpu_shapes.SHAPES.items():
+        with torch.device("meta"):
+            model = gpu_shapes.LlamaForCausalLM(gpu_shapes.LlamaConfig(**shape))
+        sizes[name] = sum(p.numel() for p in model.parameters())
+    assert 8.3e9 < sizes["target-tp8-rank"] < 9.0e9      # 70.6e9 / 8 = 8.8e9 (embeddings not sharded: +)
+    assert 1.2e9 < sizes["drafter-1b"] < 1.3e9
+
+
+def test_the_static_cache_path_times_the_same_cells():
+    rows = gpu_shapes.shape_costs("cpu", TINY_SHAPES, rows=(1, 32), tokens=(1, 5), context=8, iters=2, warmup=1,
+                                  dtype=torch.float32, graphed=True)
+    assert all(r["graphed_ms"] > 0 for r in rows)
+    eager, graphed = gpu_shapes.projection_inputs(rows), gpu_shapes.projection_inputs(rows, column="graphed_ms")
+    assert set(eager) == set(graphed) and eager != graphed
