@@ -1,0 +1,185 @@
+"""Near drafter, far speculator (cluster.core.draft.{cache,speculator,near_far}): literal branches and fan-out,
+exact output laws with the speculation cache, alone and batched, and greedy outputs equal to plain decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.core.draft.cache import Branch, Entry, FanOut, SpeculationCache, candidates
+from cluster.core.draft.near_far import LocalLink, NearFarSide
+from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.speculator import Fill, FillItem, Speculator
+from cluster.core.sampling import SamplingParams
+from cluster.engine.request import GenerationRequest
+from cluster.strategies import resolve_options
+from tests.support.exact import (
+    TabularModel,
+    VocabTokenizer,
+    enumerate_outcomes,
+    local_engine,
+    max_abs_diff,
+    steps_law,
+    target_joint,
+)
+
+
+def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: int = 4, sampled: bool = True):
+    """A near-far draft side over ``drafters`` (near) and ``copies`` (the speculator's own drafters)."""
+    kw = {} if rng is None else dict(rng_factory=lambda s: rng)
+    spec = Speculator(copies, **kw)
+    return NearFarSide(DraftSide(drafters, **kw), LocalLink(spec, delay), fanout=FanOut(rows=rows), sampled=sampled)
+
+
+# -- literal branches ------------------------------------------------------------------------------
+def test_candidates_bet_on_the_guessers_best_tokens_per_outcome():
+    rows = torch.tensor([[0.0, 3.0, 2.0, 1.0],       # position 0: best 1 (= the draft), then 2, then 3
+                         [5.0, 1.0, 4.0, 0.0],       # position 1: best 0, then 2 (the draft is 2: skipped)
+                         [0.0, 1.0, 2.0, 9.0]])      # after the block: best 3, then 2
+    block = [1, 2]
+    keys = [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0), ("bonus", -1, 1), ("reject", 1, 1),
+            ("reject", 2, 0)]                        # the last one is past the block: skipped
+    got = candidates(block, rows, keys)
+    assert got == [Branch("bonus", 2, 0, 3), Branch("reject", 0, 0, 2), Branch("reject", 1, 0, 0),
+                   Branch("bonus", 2, 1, 2), Branch("reject", 1, 1, 1)]
+    assert got[0].expect([7], block) == [7, 1, 2, 3] and got[2].expect([7], block) == [7, 1, 0]
+    assert got[0].key == ("bonus", -1, 0) and got[2].key == ("reject", 1, 0)
+
+
+def test_fanout_ranks_by_hit_rate_and_follows_the_spare_core():
+    f = FanOut(rows=3, max_rows=4)
+    assert f.keys(2) == [("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)]     # ties: best tokens, bonus first
+    for _ in range(5):
+        f.outcome([("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)], ("reject", 0, 0))
+    assert f.keys(2)[0] == ("reject", 0, 0)
+    f.answered(False)
+    assert f.rows == 2 and len(f.keys(2)) == 2
+    for _ in range(FanOut.RAISE_AFTER):
+        f.answered(True)
+    assert f.rows == 3
+    f.rows = f.min_rows
+    f.answered(False)
+    assert f.rows == f.min_rows
+
+
+def test_the_cache_gives_a_block_only_for_its_exact_prefix_and_spec():
+    spec, other = DraftSpec("propose", ("d",)), DraftSpec("propose", ("e",))
+    cache = SpeculationCache()
+    e1, e2 = Entry([1, 2, 3], spec, DraftBlock([4, 5]), ("bonus", -1, 0)), Entry([1, 4], spec, DraftBlock([6]),
+                                                                                 ("reject", 1, 0))
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 2], spec) == (None, [e1, e2])             # no entry for this prefix; all gone
+    assert cache.take("r", [1, 4], spec) == (None, [])
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 4], other)[0] is None
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 4], spec)[0] is e2
+
+
+def test_the_speculator_drafts_each_branch_from_its_own_prefix():
+    d = TabularModel("d", 5, seed=3)
+    spec_ = Speculator({"d": TabularModel("d", 5, seed=3)})
+    spec = DraftSpec("propose", ("d",))
+    greedy = SamplingParams(0.0)
+    reply = spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10)],
+                            [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)]))
+    assert reply.rows == 3 and [e.key for e in reply.entries["r"]] == [("bonus", -1, 0), ("reject", 0, 0),
+                                                                       ("reject", 1, 0)]
+    for e in reply.entries["r"]:                          # greedy: the drafter's own argmax path from the branch
+        seq, want = list(e.expect), []
+        for _ in range(2):
+            want.append(int(d.logits(seq + want).argmax()))
+        assert e.block.tokens == want
+    assert reply.entries["r"][0].expect[:4] == [0, 1, 2, 3] and len(reply.entries["r"][1].expect) == 3
+    # the next fill moves the same branches (rollback + extend, no new prefill), and release frees them
+    spec_.fill(Fill(2, [FillItem("r", [0, 1, 2, 3, 4], greedy, 0, spec, [1], 2, 8)], [("bonus", -1, 0)]))
+    spec_.release("r")
+    assert not spec_.side.active_requests() and not spec_.side.members["d"].seqs
+
+
+# -- exact laws ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opts,sampling,delay", [
+    (dict(drafter="d", k=1), SamplingParams(1.0), 0),
+    (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
+    (dict(drafter="d", k=1), SamplingParams(1.0), 1),                      # every answer late: near only
+])
+def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, delay):
+    """Every draw enumerated, the speculator's branches included: whichever branch the target's outcome picks
+    (or none), the first three tokens follow the target exactly."""
+    target = TabularModel("target", 3, seed=5)
+    d = TabularModel("d", 3, seed=6, zeros=True)
+
+    def side(drafters, rng):
+        copy = TabularModel("d", 3, seed=6, zeros=True, rng=rng)
+        return near_far(drafters, {"d": copy}, rng=rng, delay=delay, rows=2)
+
+    got = steps_law("speculative", resolve_options("speculative", opts, {}), {"target": target, "d": d}, "target",
+                    [0, 1], sampling, 3, 4, side=side)
+    assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+
+
+def test_the_speculation_cache_batched_is_exact_per_request():
+    """A sampled request decoded with a greedy one by the engine through the near-far side: the sampled one's law
+    is the target's, the greedy one is the target's argmax path (its draws enumerated alongside)."""
+    target, d = TabularModel("target", 3, seed=21), TabularModel("d", 3, seed=22, zeros=True)
+    copy = TabularModel("d", 3, seed=22, zeros=True)
+    sampling, greedy = SamplingParams(1.0), SamplingParams(0.0)
+    want_greedy = target_joint(target, [2, 1], 3, greedy)
+    sides = []
+
+    def run(rng):                  # a fresh side per path: its fan-out learns, and a replay must draw the same
+        d.rng = copy.rng = rng
+        sides.append(near_far({"d": d}, {"d": copy}, rng=rng, rows=2))
+        engine = local_engine({"target": target, "d": d, DRAFTS: sides[-1]}, VocabTokenizer(3),
+                              rng_factory=lambda s: rng)
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5, sampling=sp, seed=1, strategy="speculative",
+                                  options={"drafter": "d", "k": 1}, request_id=f"r{i}")
+                for i, (p, sp) in enumerate((([0], sampling), ([2, 1], greedy)))]
+        out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
+        assert out[1] in want_greedy
+        return out[0]
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target_joint(target, [0], 3, sampling)) < 1e-9
+    assert sum(sum(s.counters.hits.values()) for s in sides) > 0 and all(s.counters.fills for s in sides)
+    side = sides[-1]
+    assert not target.seqs and not d.seqs and not side.active_requests()
+
+
+# -- greedy equality end to end --------------------------------------------------------------------
+@pytest.mark.parametrize("seed_d", [9, 40])
+def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d):
+    """A drafter equal to the target (seed 9: every bonus bet comes true) and one that is not (seed 40:
+    rejections, some of them guessed): greedy outputs equal the target's, batched, and hits are counted by kind."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=seed_d)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=seed_d)}, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
+    reqs = [dict(prompt_ids=p, max_new_tokens=30, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
+            for i, p in enumerate(([1, 2], [3], [4, 0, 1]))]
+    want = [r.token_ids for r in plain.generate_many([GenerationRequest(strategy="autoregressive", **q)
+                                                      for q in reqs])]
+    got = engine.generate_many([GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **q)
+                                for q in reqs])
+    assert [r.token_ids for r in got] == want
+    c = side.counters
+    assert c.steps > 0 and c.fills > 0 and c.rows >= c.fills
+    if seed_d == 9:
+        assert c.hits["bonus"] >= c.steps - 2 * len(reqs) and c.hits["reject"] == 0
+    else:
+        assert c.hits["reject"] + c.hits["bonus"] > 0 and c.wasted > 0
+    assert not side.active_requests() and not side.link.speculator.active_requests()
+    assert not d.seqs and not side.link.speculator.side.members["d"].seqs
+
+
+def test_a_dead_speculator_leaves_near_drafting():
+    """The link goes down: every block is drafted near, outputs unchanged, nothing is sent."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=9)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=9)}, sampled=False)
+    side.link.up = False
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=20, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **req))
+    assert got.token_ids == want and side.counters.fills == 0 and not side.counters.hits
