@@ -132,10 +132,15 @@ class CacheCounters:
     wasted: int = 0
     rows: int = 0
     fills: int = 0
+    calls: int = 0               # draft_batch calls, and their seconds in the coordinator (near drafting included)
+    call_s: float = 0.0
+    hit_calls: int = 0           # calls every block of which came from the cache, and their seconds
+    hit_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(steps=self.steps, **{f"hits_{k}": self.hits[k] for k in KINDS}, late=self.late,
-                    wasted=self.wasted, rows=self.rows, fills=self.fills)
+                    wasted=self.wasted, rows=self.rows, fills=self.fills, calls=self.calls, call_s=self.call_s,
+                    hit_calls=self.hit_calls, hit_s=self.hit_s)
 
 
 class SpeculationCache:
@@ -159,4 +164,6 @@ class SpeculationCache:
         self._entries.pop(rid, None)
 
     def clear(self) -> None:
+        """Forget every entry and reset the counters."""
         self._entries.clear()
+        self.counters = CacheCounters()

@@ -21,6 +21,7 @@ requests per step (beyond, the spare core is not spare).
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from cluster.core.draft.cache import FanOut, SpeculationCache
@@ -119,6 +120,7 @@ class NearFarSide(BatchedHandle):
     # -- drafting -------------------------------------------------------------------------------------
     def draft_batch(self, items: list[tuple], stop=None) -> list:
         """One block per item ``(rid, spec, limit, budget)`` (see the module docstring)."""
+        t0 = time.perf_counter()
         self._receive()
         out: list = [None] * len(items)
         miss = []
@@ -139,17 +141,20 @@ class NearFarSide(BatchedHandle):
             for i, block in zip(miss, self.near.draft_batch([items[i] for i in miss])):
                 out[i] = block
         self._send(items, out)
+        dt = time.perf_counter() - t0
+        c.calls, c.call_s = c.calls + 1, c.call_s + dt
+        if not miss:
+            c.hit_calls, c.hit_s = c.hit_calls + 1, c.hit_s + dt
         return out
 
     def _receive(self) -> None:
         """Fill the cache from the answer to the last fill, if it has arrived; count it late otherwise."""
-        if not self._sent:
-            return
-        got = self.link.poll() if self.link.up else []
-        for reply in got:
-            if reply.id == self._sent:
+        for reply in self.link.poll():               # (a link that is down reconnects from here)
+            if reply.id and reply.id == self._sent:
+                live = set(self.near.active_requests())
                 for rid, entries in reply.entries.items():
-                    self.cache.put(rid, entries)
+                    if rid in live:
+                        self.cache.put(rid, entries)
                 self.cache.counters.rows += reply.rows
                 self.cache.counters.fills += 1
                 self._waiting = []

@@ -246,9 +246,15 @@ class Coordinator:
 
     def draft_timing(self, reset: bool = False) -> dict | None:
         """The draft side's ``draft_batch`` calls since the last reset, as a dict of
-        :class:`cluster.serving.control.remote.CallTiming`'s totals (the served benchmark's hop columns); None
-        when the draft side runs in this process."""
+        :class:`cluster.serving.control.remote.CallTiming`'s totals (the served benchmark's hop columns); in the
+        ``speculator`` topology ``{"cache": CacheCounters as a dict}``; None when the draft side runs in this
+        process otherwise."""
         e = self.entries.get(DRAFTS)
+        if e is not None and hasattr(e.handle, "cache"):     # speculator: the speculation cache's counters
+            out = {"cache": e.handle.cache.counters.as_dict()}
+            if reset:
+                e.handle.cache.counters = type(e.handle.cache.counters)()
+            return out
         if e is None or e.placement == "local":
             return None
         t = e.handle.per_method.get("draft_batch")
