@@ -8,16 +8,19 @@ speculator drafts the next block for each outcome it bets on, keyed by that outc
 * ``bonus``: all L accepted, then a token t from the target's next distribution: ``s + x + [t]``;
 * ``reject`` at j (0 <= j < L): x_1..x_j accepted, then a correction t != x_{j+1}: ``s + x[:j] + [t]``.
 
-A :class:`Branch` bets on one such outcome with a guessed t: the guesser's (a drafter's) ``rank``-th most likely
-token at that position (for a rejection, other than x_{j+1}).  The speculator drafts the next block from each
-branch's sequence (:mod:`cluster.core.draft.speculator`); the coordinator takes a block only when the committed
+A :class:`Branch` bets on one such outcome with a guessed t: for a rejection at j the drafter's ``rank``-th best
+token other than x_{j+1} (recorded with the block as it was drafted, :attr:`DraftBlock.alts`: no extra forward);
+for the bonus the speculator's own next draft after the block (its first drafted token, PEARL's guess).  The
+speculator drafts the next block from each branch's sequence (:mod:`cluster.core.draft.speculator`), all branches
+as one batch; the coordinator takes a block only when the committed
 sequence is exactly the sequence it was drafted from (:meth:`SpeculationCache.take`), so a block is verified
 against its own prefix with the distribution it was drawn from (stored with it): a draw of the draft program at
 that prefix, made independently of the target's draws, whichever branch the target's outcome picks.
 
 :class:`FanOut` decides which branches are drafted: per branch key ``(kind, pos, rank)`` the share of steps its
-bet came true (Laplace), best first, at most ``rows`` branches per fill; ``rows`` falls when the speculator's
-answer came late (the spare core is busy) and rises again while answers are in time.
+bet came true (Laplace), best first, at most ``rows`` branches per fill, each at most ``depth`` tokens; both fall
+when the speculator's answer came late (the spare core is busy: an answer must arrive within one verification)
+and rise again while answers are in time.
 """
 from __future__ import annotations
 
@@ -25,46 +28,43 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
 from cluster.core.draft.programs import DraftBlock, DraftSpec
 
 KINDS = ("bonus", "reject")
 
 
 class Branch(NamedTuple):
-    """One bet on the verification's outcome: ``pos`` draft tokens accepted, then ``token``."""
+    """One bet on the verification's outcome: ``pos`` draft tokens accepted, then ``token`` (None for the bonus: the
+    speculator's own next draft after the block is the bet, drafted as the first token of that branch's block)."""
 
     kind: str            # bonus (pos = L) | reject (pos < L)
     pos: int
-    rank: int            # 0: the guesser's best candidate for that position
-    token: int
+    rank: int            # 0: the drafter's best candidate for that position
+    token: int | None
 
     @property
     def key(self) -> tuple[str, int, int]:
         """The branch's key for the statistics: ``(kind, pos, rank)``, pos -1 for a bonus (whatever L)."""
         return self.kind, -1 if self.kind == "bonus" else self.pos, self.rank
 
-    def expect(self, seq: list[int], block: list[int]) -> list[int]:
-        """The committed sequence this branch bets on, after verifying ``block`` drafted from ``seq``."""
-        return list(seq) + list(block[:self.pos]) + [self.token]
+    def start(self, seq: list[int], block: list[int]) -> list[int]:
+        """The sequence the branch's drafting continues: ``seq + block[:pos] (+ [token])``."""
+        return list(seq) + list(block[:self.pos]) + ([] if self.token is None else [self.token])
 
 
-def candidates(block: list[int], rows: torch.Tensor, keys: list[tuple[str, int, int]]) -> list[Branch]:
-    """The branches named by ``keys`` (in that order; :attr:`Branch.key`) for ``block`` [L], from the guesser's
-    scores ``rows`` [L+1, V] (row j: its scores for the token at position j of the block, row L: after the
-    block).  A rejection key past the block's end is skipped."""
+def candidates(block: list[int], alts: list[list[int]] | None, keys: list[tuple[str, int, int]]) -> list[Branch]:
+    """The branches named by ``keys`` (in that order; :attr:`Branch.key`) for ``block`` [L]: the bonus (rank 0
+    only: the speculator's own next draft), and rejections at j with ``alts[j][rank]``, the drafter's next-best
+    tokens at j (:attr:`cluster.core.draft.programs.DraftBlock.alts`; None: no rejection bets).  Keys that do not
+    fit the block (past its end, beyond the alternatives recorded) are skipped."""
     L = len(block)
-    width = 1 + max((r for _, _, r in keys), default=0)
-    order = rows.topk(min(width + 1, rows.shape[-1]), dim=-1).indices.tolist()      # [L+1, width+1]
     out = []
     for kind, pos, rank in keys:
-        pos = L if kind == "bonus" else pos
-        if not 0 <= pos <= L or (kind == "reject" and pos == L):
-            continue
-        alts = [t for t in order[pos] if pos == L or t != block[pos]]
-        if rank < len(alts):
-            out.append(Branch(kind, pos, rank, alts[rank]))
+        if kind == "bonus":
+            if rank == 0:
+                out.append(Branch("bonus", L, 0, None))
+        elif alts is not None and 0 <= pos < min(L, len(alts)) and rank < len(alts[pos]):
+            out.append(Branch("reject", pos, rank, alts[pos][rank]))
     return out
 
 
@@ -80,25 +80,28 @@ class Entry:
 
 @dataclass
 class FanOut:
-    """Which branches to draft (see the module docstring).  ``rows``: branches per fill, within
-    [``min_rows``, ``max_rows``]; ``width``: candidates per position considered."""
+    """Which branches to draft, and how far (see the module docstring).  ``rows``: branches per fill, within
+    [``min_rows``, ``max_rows``]; ``depth``: draft tokens per branch block, within [``min_depth``, ``max_depth``]
+    (the coordinator keeps ``max_depth`` at the steps' draft length); ``width``: alternatives per position."""
 
-    rows: int = 4
+    rows: int = 3
+    depth: int = 4
     min_rows: int = 1
-    max_rows: int = 8
-    width: int = 2
-    in_time: int = 0                           # answers in time since ``rows`` last changed
+    max_rows: int = 6
+    min_depth: int = 2
+    max_depth: int = 4
+    width: int = 1
+    in_time: int = 0                           # answers in time since the fan-out last changed
     tries: Counter = field(default_factory=Counter)
     hits: Counter = field(default_factory=Counter)
 
-    RAISE_AFTER = 4                            # answers in time before one more branch is tried
+    RAISE_AFTER = 4                            # answers in time before the fan-out grows by one step
 
     def keys(self, length: int) -> list[tuple[str, int, int]]:
         """The branch keys to draft for blocks of up to ``length`` tokens, best first, ``rows`` of them (ties: the
-        guesser's best candidates first, the bonus, then later positions)."""
-        every = [("bonus", -1, r) for r in range(self.width)] + \
-                [("reject", j, r) for j in range(length) for r in range(self.width)]
-        every.sort(key=lambda k: (-self.rate(k), k[2], k[0] != "bonus", -k[1]))
+        bonus, then the drafter's best alternatives, then later positions)."""
+        every = [("bonus", -1, 0)] + [("reject", j, r) for j in range(length) for r in range(self.width)]
+        every.sort(key=lambda k: (-self.rate(k), k[0] != "bonus", k[2], -k[1]))
         return every[:self.rows]
 
     def rate(self, key) -> float:
@@ -111,13 +114,26 @@ class FanOut:
             self.hits[hit] += 1
 
     def answered(self, in_time: bool) -> None:
-        """The speculator's answer for the last fill was there when the next step asked (or not)."""
+        """The speculator's answer for the last fill was there when the next step asked (or not): late, fewer
+        rows first (down to 2), then shallower blocks, then one row; in time ``RAISE_AFTER`` times, deeper
+        blocks first, then more rows."""
+        self.depth = min(self.depth, self.max_depth)
         if not in_time:
-            self.rows, self.in_time = max(self.min_rows, self.rows - 1), 0
+            self.in_time = 0
+            if self.rows > max(2, self.min_rows):
+                self.rows -= 1
+            elif self.depth > self.min_depth:
+                self.depth -= 1
+            else:
+                self.rows = max(self.min_rows, self.rows - 1)
             return
         self.in_time += 1
-        if self.in_time >= self.RAISE_AFTER and self.rows < self.max_rows:
-            self.rows, self.in_time = self.rows + 1, 0
+        if self.in_time >= self.RAISE_AFTER:
+            self.in_time = 0
+            if self.depth < self.max_depth:
+                self.depth += 1
+            elif self.rows < self.max_rows:
+                self.rows += 1
 
 
 @dataclass

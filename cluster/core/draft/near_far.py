@@ -77,6 +77,7 @@ class NearFarSide(BatchedHandle):
         self.cache = SpeculationCache()
         self.vocab_size, self.max_length, self.num_params = near.vocab_size, near.max_length, near.num_params
         self.members = near.members
+        near.alts = max(near.alts, self.fanout.width)  # its blocks carry the rejection bets
         self._sent = 0                                 # the last fill's id; 0: none
         self._waiting: list[str] = []                  # the requests of a fill whose answer has not arrived
         self._released: list[str] = []
@@ -172,12 +173,14 @@ class NearFarSide(BatchedHandle):
             st = self.near.request(rid)
             if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
-                                           limit, budget))
+                                           limit, budget, block.alts))
         if not (fill_items or self._released) or not self.link.up:
             return
         length = max((len(it.block) for it in fill_items), default=0)
+        f = self.fanout
+        f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
         self._sent += 1
-        fill = Fill(self._sent, fill_items, self.fanout.keys(length), self._released)
+        fill = Fill(self._sent, fill_items, f.keys(length), self._released, min(f.depth, f.max_depth))
         self._released = []
         self._waiting = [it.rid for it in fill_items]
         self.link.send(fill)

@@ -94,7 +94,7 @@ class DraftSide(BatchedHandle):
                            # is busy and a wasted pre-draft is not free)
 
     def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng,
-                 sampled: bool = False):
+                 sampled: bool = False, alts: int = 0):
         if not members:
             raise ValueError("a draft side needs at least one drafter")
         self.members = dict(members)
@@ -105,7 +105,7 @@ class DraftSide(BatchedHandle):
         # deferred: the host calls predraft() after answering (an actor, while the target verifies); else
         # draft_batch pre-drafts before it returns (in-process: same blocks, nothing gained, path covered)
         self.overlap, self.deferred = overlap, deferred
-        self.rng_factory = rng_factory
+        self.rng_factory, self.alts = rng_factory, alts    # alts: next-best tokens kept per position (a speculator's)
         self.vocab_size = min(h.vocab_size for h in self.members.values())
         self.max_length = min(h.max_length for h in self.members.values())
         self.num_params = sum(int(h.num_params) for h in self.members.values())
@@ -247,7 +247,7 @@ class DraftSide(BatchedHandle):
             if run.key not in failed:
                 st = self._reqs[run.rid]
                 dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
-                              self._holder(st), committed=st.seq)
+                              self._holder(st), committed=st.seq, alts=self.alts)
                 gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=stop is not None)
                 rids[run.key] = run.rid
         done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop)}

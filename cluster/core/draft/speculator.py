@@ -1,20 +1,21 @@
 """The speculator: drafts the next block for each outcome of the verification now running, to fill the
 coordinator's speculation cache (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative
-Decoding*, the speculator filling the speculation cache; SwiftSpec's branches).
+Decoding*, the speculator filling the speculation cache; Liu et al., *PEARL*; SwiftSpec's branches).
 
-One :class:`Fill` names, per request, the committed sequence and the block the target is verifying; the speculator
+One :class:`Fill` names, per request, the committed sequence, the block the target is verifying and the drafter's
+next-best tokens per position of it (recorded when it was drafted, :attr:`DraftBlock.alts`); the speculator drafts
+the next block of every branch (:func:`cluster.core.draft.cache.candidates`) with its own draft side (its own copy
+of the drafters, the Max-Gram index and the cascade: the same draft programs as the coordinator's), all branches of
+all requests as requests of ONE draft side, so each drafting round is one batched drafter forward of all branch
+rows.  The bonus branch continues the block itself and drafts one token more: its first token is the bet on the
+bonus, the rest its block (PEARL's pre-draft).  A branch is a request ``rid|i`` of that side, kept between fills:
+moving it to its next bet is one rollback to the common prefix and one extend (the drafters' caches are cropped,
+not refilled).  Blocks are at most ``Fill.depth`` tokens (the fan-out's choice: an answer must come within one
+verification).
 
-1. scores every block with the **guesser** (the first neural drafter: one batched forward over all requests,
-   rows ``[L+1, V]``) -- its best candidates per position are the bets (:func:`cluster.core.draft.cache.candidates`);
-2. drafts the next block of every branch with its own draft side (its own copy of the drafters, the Max-Gram
-   index and the cascade: the same draft programs as the coordinator's), all branches of all requests as
-   requests of ONE draft side, so each drafting round is one batched drafter forward of all branch rows.  A
-   branch is a request ``rid|i`` of that side, kept between fills: moving it to its next bet is one rollback to
-   the common prefix and one extend (the drafters' caches are cropped, not refilled).
-
-``stop`` (asked between drafting rounds): a newer fill has arrived, give up and answer what is done.  Blocks are
-drawn from the speculator's own random streams, independent of the target's draws; a block is only used for the
-exact sequence it was drafted from (:meth:`cluster.core.draft.cache.SpeculationCache.take`).
+``stop`` (asked between drafting rounds): a newer fill has arrived, give up.  Blocks are drawn from the
+speculator's own random streams, independent of the target's draws; a block is only used for the exact sequence
+it was drafted from (:meth:`cluster.core.draft.cache.SpeculationCache.take`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class FillItem:
     block: list[int]
     limit: int                   # the step's draft length (the next step asks the same)
     budget: int                  # tokens the request may still emit this step
+    alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Fill:
     items: list[FillItem]
     keys: list[tuple[str, int, int]]
     released: list[str] = field(default_factory=list)
+    depth: int = 64                         # draft tokens per branch block at most
 
 
 @dataclass
@@ -66,13 +69,11 @@ def _branch_rid(rid: str, i: int) -> str:
 
 
 class Speculator:
-    """See the module docstring.  ``members``: drafter name -> handle (its own copies)."""
+    """See the module docstring.  ``members``: drafter name -> handle (its own copies); ``alts``: next-best tokens
+    recorded per position of the blocks it drafts (the next fill's rejection bets when one is used)."""
 
-    def __init__(self, members: dict, *, rng_factory=Rng, guesser: str | None = None):
-        self.side = DraftSide(members, rng_factory=rng_factory, sampled=True)
-        neural = [n for n, h in self.side.members.items() if not h.deterministic]
-        self.guesser = guesser or (neural[0] if neural else None)
-        self._held: dict[str, list[int]] = {}     # guesser row id -> tokens it holds
+    def __init__(self, members: dict, *, rng_factory=Rng, alts: int = 1):
+        self.side = DraftSide(members, rng_factory=rng_factory, sampled=True, alts=alts)
         self._at: dict[str, list[int]] = {}       # branch id -> the committed sequence it was moved to
         self._branches: dict[str, set[str]] = {}  # rid -> its branch ids
 
@@ -80,57 +81,38 @@ class Speculator:
         for rid in fill.released:
             self.release(rid)
         items = [it for it in fill.items if it.block]
-        if self.guesser is None or not items or not fill.keys:
+        if not items or not fill.keys:
             return Reply(fill.id, {})
-        rows = self._guess(items)
         per = max(1, len(fill.keys) // len(items))
         runs, where = [], []
-        for it, scores in zip(items, rows):
-            for i, br in enumerate(candidates(it.block, scores, fill.keys[:per])):
-                nxt = min(it.limit, it.budget - br.pos - 2)          # the next step's limit on this outcome
+        for it in items:
+            for i, br in enumerate(candidates(it.block, it.alts, fill.keys[:per])):
+                nxt = min(it.limit, fill.depth, it.budget - br.pos - 2)   # the next step's limit on this outcome
                 if nxt >= 1:
-                    prid = self._move(it, i, br.expect(it.seq, it.block))
-                    runs.append((prid, it.spec, nxt, it.budget - br.pos - 1))
+                    bonus = br.token is None                             # one token more: the bet, then the block
+                    runs.append((self._move(it, i, br.start(it.seq, it.block)), it.spec, nxt + bonus,
+                                 it.budget - br.pos - 1 + bonus))
                     where.append((it, br))
         blocks = self.side.draft_batch(runs, stop=stop) if runs else []
         out: dict[str, list[Entry]] = {}
         tokens = 0
         for (it, br), block in zip(where, blocks):
-            if isinstance(block, DraftBlock) and block.tokens:
-                out.setdefault(it.rid, []).append(Entry(br.expect(it.seq, it.block), it.spec, block, br.key))
-                tokens += len(block.tokens)
+            if not isinstance(block, DraftBlock) or len(block.tokens) < 1 + (br.token is None):
+                continue
+            expect = br.start(it.seq, it.block)
+            if br.token is None:
+                expect, block = expect + block.tokens[:1], block.tail(1, len(block.tokens) - 1)
+            out.setdefault(it.rid, []).append(Entry(expect, it.spec, block, br.key))
+            tokens += len(block.tokens)
         return Reply(fill.id, out, len(runs), tokens)
 
     def release(self, rid: str) -> None:
         for prid in self._branches.pop(rid, ()):
             self.side.release(prid)
             self._at.pop(prid, None)
-        grid = _branch_rid(rid, -1)
-        if self._held.pop(grid, None) is not None:
-            self.side.members[self.guesser].release(grid)
 
     def active_requests(self) -> list[str]:
         return list(self._branches)
-
-    def _guess(self, items: list[FillItem]) -> list:
-        """The guesser's scores of every item's block, one batched forward: ``[L+1, V]`` each."""
-        g = self.side.members[self.guesser]
-        new = [it for it in items if _branch_rid(it.rid, -1) not in self._held]
-        if new:
-            g.prefill_batch([(_branch_rid(it.rid, -1), list(it.seq), it.sampling, it.seed) for it in new])
-            for it in new:
-                self._held[_branch_rid(it.rid, -1)] = list(it.seq)
-        for it in items:
-            grid = _branch_rid(it.rid, -1)
-            held = self._held[grid]
-            c = _common(held, it.seq)
-            if c < len(held):
-                g.rollback(grid, c)
-            if c < len(it.seq):
-                g.extend(grid, list(it.seq[c:]))
-            self._held[grid] = list(it.seq) + list(it.block)
-            self._branches.setdefault(it.rid, set())
-        return g.score_batch([(_branch_rid(it.rid, -1), list(it.block)) for it in items])
 
     def _move(self, it: FillItem, i: int, seq: list[int]) -> str:
         """Branch ``i`` of ``it``'s request, now at committed sequence ``seq`` (prefilled the first time)."""

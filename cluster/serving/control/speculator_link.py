@@ -35,6 +35,16 @@ class SocketSpeculatorLink(SpeculatorLink):
         self._next_try = 0.0
         self.connects = 0
 
+    def open(self, timeout_s: float) -> bool:
+        """Connect now, waiting up to ``timeout_s`` (at startup, once the actor has loaded); True once up."""
+        import ray
+        self._next_try = 0.0
+        self._connect()
+        if self._opening is not None:
+            ray.wait([self._opening[0]], timeout=timeout_s)
+            self._connect()
+        return self.up
+
     @property
     def up(self) -> bool:
         return self._conn is not None

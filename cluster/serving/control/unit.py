@@ -85,7 +85,7 @@ def build_unit(cfg: Config, topology: str | None = None):
     channels = {name: _channel(cl, name)(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
                                          restart=rebuild if placement == "tp-group" else None)
                 for name, (actors, pg, placement) in started.items()}
-    asked = {name: ch.ask("info") for name, ch in channels.items()}     # every actor loads meanwhile
+    asked = {name: ch.ask("info") for name, ch in {**channels, **({"": far} if far else {})}.items()}   # all load
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     for name, ch in channels.items():
         info, placement = asked[name].wait(max(0.0, deadline - time.monotonic()))[0], started[name][2]
@@ -101,8 +101,11 @@ def build_unit(cfg: Config, topology: str | None = None):
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     handles = {n: e.handle for n, e in ordered.items()}
     if far is not None:                          # the near draft side over this process's drafters, and the far one
+        asked[""].wait(max(0.0, deadline - time.monotonic()))
+        link = SocketSpeculatorLink(far.actors[0])
+        link.open(max(1.0, deadline - time.monotonic()))
         drafters = {n: h for n, h in handles.items() if n != cfg.target}
-        handles[DRAFTS] = NearFarSide(DraftSide(drafters), SocketSpeculatorLink(far.actors[0]))
+        handles[DRAFTS] = NearFarSide(DraftSide(drafters), link)
     models = ModelSet.assemble(handles, cfg.target, overlap=cfg.engine.overlap_on(draft_side_remote=False))
     if DRAFTS not in ordered and models.draft_side is not None:          # colocated: the draft side in-process
         ordered[DRAFTS] = ModelEntry(DRAFTS, "draft-side", "local", models.draft_side)

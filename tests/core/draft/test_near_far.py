@@ -32,34 +32,53 @@ def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: in
 
 
 # -- literal branches ------------------------------------------------------------------------------
-def test_candidates_bet_on_the_guessers_best_tokens_per_outcome():
-    rows = torch.tensor([[0.0, 3.0, 2.0, 1.0],       # position 0: best 1 (= the draft), then 2, then 3
-                         [5.0, 1.0, 4.0, 0.0],       # position 1: best 0, then 2 (the draft is 2: skipped)
-                         [0.0, 1.0, 2.0, 9.0]])      # after the block: best 3, then 2
-    block = [1, 2]
+def test_candidates_bet_on_the_drafters_next_best_tokens_and_its_own_bonus():
+    block, alts = [1, 2], [[2, 3], [0, 4]]              # the drafter's next-best tokens per position, best first
     keys = [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0), ("bonus", -1, 1), ("reject", 1, 1),
-            ("reject", 2, 0)]                        # the last one is past the block: skipped
-    got = candidates(block, rows, keys)
-    assert got == [Branch("bonus", 2, 0, 3), Branch("reject", 0, 0, 2), Branch("reject", 1, 0, 0),
-                   Branch("bonus", 2, 1, 2), Branch("reject", 1, 1, 1)]
-    assert got[0].expect([7], block) == [7, 1, 2, 3] and got[2].expect([7], block) == [7, 1, 0]
+            ("reject", 2, 0), ("reject", 0, 2)]          # no bonus of rank 1; past the block; beyond the alts
+    got = candidates(block, alts, keys)
+    assert got == [Branch("bonus", 2, 0, None), Branch("reject", 0, 0, 2), Branch("reject", 1, 0, 0),
+                   Branch("reject", 1, 1, 4)]
+    assert got[0].start([7], block) == [7, 1, 2] and got[2].start([7], block) == [7, 1, 0]
     assert got[0].key == ("bonus", -1, 0) and got[2].key == ("reject", 1, 0)
+    assert candidates(block, None, keys) == got[:1]      # no alternatives recorded (Max-Gram): the bonus only
+
+
+def test_blocks_record_the_drafters_next_best_tokens():
+    from cluster.core.draft.programs import DraftCtx, run_program
+    from cluster.core.sampling import Rng
+    from tests.support.exact import run_step
+    d = TabularModel("d", 5, seed=3)
+    side = DraftSide({"d": d}, alts=2)
+    side.prefill_batch([("r", [0, 1], SamplingParams(0.0), 0)])
+    (block,) = side.draft_batch([("r", DraftSpec("propose", ("d",)), 3, 10)])
+    seq = [0, 1]
+    for tok, alt in zip(block.tokens, block.alts):
+        order = d.logits(seq).argsort(descending=True).tolist()
+        assert tok == order[0] and alt == order[1:3]
+        seq.append(tok)
+    assert block.tail(1, 1).alts == block.alts[1:2]
 
 
 def test_fanout_ranks_by_hit_rate_and_follows_the_spare_core():
-    f = FanOut(rows=3, max_rows=4)
-    assert f.keys(2) == [("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)]     # ties: best tokens, bonus first
+    f = FanOut(rows=3, depth=4, max_rows=4, max_depth=4, width=1)
+    assert f.keys(2) == [("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)]     # ties: bonus, later positions
     for _ in range(5):
         f.outcome([("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)], ("reject", 0, 0))
     assert f.keys(2)[0] == ("reject", 0, 0)
-    f.answered(False)
-    assert f.rows == 2 and len(f.keys(2)) == 2
+    f.answered(False)                                    # late: fewer rows first (down to 2) ...
+    assert (f.rows, f.depth) == (2, 4) and len(f.keys(2)) == 2
+    f.answered(False)                                    # ... then shallower blocks
+    assert (f.rows, f.depth) == (2, 3)
+    for _ in range(FanOut.RAISE_AFTER):                  # in time: deeper first, then more rows
+        f.answered(True)
+    assert (f.rows, f.depth) == (2, 4)
     for _ in range(FanOut.RAISE_AFTER):
         f.answered(True)
-    assert f.rows == 3
-    f.rows = f.min_rows
+    assert (f.rows, f.depth) == (3, 4)
+    f.rows, f.depth = 2, f.min_depth
     f.answered(False)
-    assert f.rows == f.min_rows
+    assert (f.rows, f.depth) == (1, f.min_depth)
 
 
 def test_the_cache_gives_a_block_only_for_its_exact_prefix_and_spec():
@@ -81,16 +100,21 @@ def test_the_speculator_drafts_each_branch_from_its_own_prefix():
     spec_ = Speculator({"d": TabularModel("d", 5, seed=3)})
     spec = DraftSpec("propose", ("d",))
     greedy = SamplingParams(0.0)
-    reply = spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10)],
-                            [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)]))
-    assert reply.rows == 3 and [e.key for e in reply.entries["r"]] == [("bonus", -1, 0), ("reject", 0, 0),
-                                                                       ("reject", 1, 0)]
-    for e in reply.entries["r"]:                          # greedy: the drafter's own argmax path from the branch
-        seq, want = list(e.expect), []
-        for _ in range(2):
-            want.append(int(d.logits(seq + want).argmax()))
-        assert e.block.tokens == want
-    assert reply.entries["r"][0].expect[:4] == [0, 1, 2, 3] and len(reply.entries["r"][1].expect) == 3
+
+    def argmax_path(seq, n):
+        out = []
+        for _ in range(n):
+            out.append(int(d.logits(seq + out).argmax()))
+        return out
+    reply = spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10, [[4], [0]])],
+                            [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)], depth=2))
+    entries = reply.entries["r"]
+    assert reply.rows == 3 and [e.key for e in entries] == [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)]
+    bonus = argmax_path([0, 1, 2, 3], 3)                 # its bet is the drafter's own next token after the block
+    assert entries[0].expect == [0, 1, 2, 3, bonus[0]] and entries[0].block.tokens == bonus[1:]
+    assert entries[1].expect == [0, 1, 4] and entries[2].expect == [0, 1, 2, 0]
+    for e in entries:                                    # greedy: the drafter's own argmax path from the branch
+        assert e.block.tokens == argmax_path(list(e.expect), 2) and len(e.block.alts) == 2
     # the next fill moves the same branches (rollback + extend, no new prefill), and release frees them
     spec_.fill(Fill(2, [FillItem("r", [0, 1, 2, 3, 4], greedy, 0, spec, [1], 2, 8)], [("bonus", -1, 0)]))
     spec_.release("r")
@@ -99,7 +123,7 @@ def test_the_speculator_drafts_each_branch_from_its_own_prefix():
 
 # -- exact laws ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opts,sampling,delay", [
-    (dict(drafter="d", k=1), SamplingParams(1.0), 0),
+    (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
     (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
     (dict(drafter="d", k=1), SamplingParams(1.0), 1),                      # every answer late: near only
 ])

@@ -65,7 +65,7 @@ def test_a_fill_answered_far_equals_the_same_fill_drafted_here(unit):
     from cluster.models.build import build_handle
     drafter = cfg.drafters[0]
     fill = Fill(99, [FillItem("probe", PROMPTS[0], SamplingParams(0.0), 0, DraftSpec("propose", (drafter,)),
-                              [10, 32], 3, 20)], [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)])
+                              [10, 32], 3, 20, [[11], [33]])], [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)])
     link.send(fill)
     got = poll(lambda: link.poll(), "the speculator's reply")
     want = Speculator({drafter: build_handle(cfg, drafter)}).fill(fill)
