@@ -13,6 +13,7 @@ arrived when its next step starts (:class:`cluster.serving.control.speculator_li
 from __future__ import annotations
 
 import logging
+import time
 
 from actors.socket_link import SocketServer
 from cluster.core.draft.speculator import Reply, Speculator
@@ -40,11 +41,13 @@ class SpeculatorServer(SocketServer):
                 if not newer and conn.poll():
                     newer.append(True)
                 return bool(newer)
+            t0 = time.perf_counter()
             try:
                 reply = self.speculator.fill(fill, stop=stop)
             except Exception:                    # noqa: BLE001 - a failed fill only loses its head start
                 log.exception("speculator fill %s failed", fill.id)
                 reply = Reply(fill.id, {})
+            reply.compute_s = time.perf_counter() - t0
             self.fills += 1
             self.given_up += bool(newer)
             try:

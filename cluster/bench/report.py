@@ -172,4 +172,6 @@ def cache_columns(c: dict) -> dict:
             "hit_reject": round(c["hits_reject"] / n, 3), "late_share": round(c["late"] / n, 3),
             "wasted_per_step": round(c["wasted"] / n, 2), "fanout": round(c["rows"] / c["fills"], 2) if c["fills"] else 0,
             "hit_call_ms": round(1e3 * c["hit_s"] / c["hit_calls"], 3) if c["hit_calls"] else None,
-            "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None}
+            "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None,
+            "fill_ms": round(1e3 * c["fill_s"] / c["fills"], 3) if c["fills"] else None,
+            "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3)}

@@ -92,10 +92,24 @@ class FanOut:
     max_depth: int = 4
     width: int = 1
     in_time: int = 0                           # answers in time since the fan-out last changed
+    late_run: int = 0                          # answers late in a row
+    steps: int = 0                             # steps since the speculator was last asked (backing off)
     tries: Counter = field(default_factory=Counter)
     hits: Counter = field(default_factory=Counter)
 
     RAISE_AFTER = 4                            # answers in time before the fan-out grows by one step
+    BACK_OFF_AFTER = 6                         # answers late in a row (at the least fan-out) before backing off
+    PROBE_EVERY = 8                            # backing off: ask the speculator every this many steps
+
+    def ask(self) -> bool:
+        """Whether to send this step's fill: always, unless the last ``BACK_OFF_AFTER`` answers came late at the
+        least fan-out -- the speculator has no spare core (it shares the coordinator's, or the machine is
+        loaded) and its drafting would only slow the coordinator -- then once every ``PROBE_EVERY`` steps."""
+        self.steps += 1
+        if self.late_run < self.BACK_OFF_AFTER or self.steps >= self.PROBE_EVERY:
+            self.steps = 0
+            return True
+        return False
 
     def keys(self, length: int) -> list[tuple[str, int, int]]:
         """The branch keys to draft for blocks of up to ``length`` tokens, best first, ``rows`` of them (ties: the
@@ -118,6 +132,8 @@ class FanOut:
         rows first (down to 2), then shallower blocks, then one row; in time ``RAISE_AFTER`` times, deeper
         blocks first, then more rows."""
         self.depth = min(self.depth, self.max_depth)
+        least = self.rows <= self.min_rows and self.depth <= self.min_depth
+        self.late_run = 0 if in_time else self.late_run + least
         if not in_time:
             self.in_time = 0
             if self.rows > max(2, self.min_rows):
@@ -145,6 +161,7 @@ class CacheCounters:
     steps: int = 0
     hits: Counter = field(default_factory=Counter)
     late: int = 0
+    late_fills: int = 0
     wasted: int = 0
     rows: int = 0
     fills: int = 0
@@ -152,11 +169,13 @@ class CacheCounters:
     call_s: float = 0.0
     hit_calls: int = 0           # calls every block of which came from the cache, and their seconds
     hit_s: float = 0.0
+    gap_s: float = 0.0           # fills sent -> the next call (the time an answer has), and the speculator's
+    fill_s: float = 0.0          # seconds on the fills answered in time (``fills`` of each)
 
     def as_dict(self) -> dict:
         return dict(steps=self.steps, **{f"hits_{k}": self.hits[k] for k in KINDS}, late=self.late,
-                    wasted=self.wasted, rows=self.rows, fills=self.fills, calls=self.calls, call_s=self.call_s,
-                    hit_calls=self.hit_calls, hit_s=self.hit_s)
+                    late_fills=self.late_fills, wasted=self.wasted, rows=self.rows, fills=self.fills, calls=self.calls, call_s=self.call_s,
+                    hit_calls=self.hit_calls, hit_s=self.hit_s, gap_s=self.gap_s, fill_s=self.fill_s)
 
 
 class SpeculationCache:

@@ -78,7 +78,7 @@ class NearFarSide(BatchedHandle):
         self.vocab_size, self.max_length, self.num_params = near.vocab_size, near.max_length, near.num_params
         self.members = near.members
         near.alts = max(near.alts, self.fanout.width)  # its blocks carry the rejection bets
-        self._sent = 0                                 # the last fill's id; 0: none
+        self._sent, self._sent_at = 0, 0.0             # the last fill's id (0: none) and when it left
         self._waiting: list[str] = []                  # the requests of a fill whose answer has not arrived
         self._released: list[str] = []
 
@@ -150,8 +150,11 @@ class NearFarSide(BatchedHandle):
 
     def _receive(self) -> None:
         """Fill the cache from the answer to the last fill, if it has arrived; count it late otherwise."""
+        if self._waiting:
+            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
         for reply in self.link.poll():               # (a link that is down reconnects from here)
             if reply.id and reply.id == self._sent:
+                self.cache.counters.fill_s += reply.compute_s
                 live = set(self.near.active_requests())
                 for rid, entries in reply.entries.items():
                     if rid in live:
@@ -164,6 +167,7 @@ class NearFarSide(BatchedHandle):
                 self.cache.counters.wasted += reply.tokens
         if self._waiting:
             self.cache.counters.late += len(self._waiting)
+            self.cache.counters.late_fills += 1
             self.fanout.answered(False)
             self._waiting = []
 
@@ -174,7 +178,7 @@ class NearFarSide(BatchedHandle):
             if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
                                            limit, budget, block.alts))
-        if not (fill_items or self._released) or not self.link.up:
+        if not (fill_items or self._released) or not self.link.up or not self.fanout.ask():
             return
         length = max((len(it.block) for it in fill_items), default=0)
         f = self.fanout
@@ -184,3 +188,4 @@ class NearFarSide(BatchedHandle):
         self._released = []
         self._waiting = [it.rid for it in fill_items]
         self.link.send(fill)
+        self._sent_at = time.perf_counter()

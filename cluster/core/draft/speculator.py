@@ -62,6 +62,7 @@ class Reply:
     entries: dict[str, list[Entry]]
     rows: int = 0
     tokens: int = 0
+    compute_s: float = 0.0                  # the speculator's seconds on this fill (set by its host)
 
 
 def _branch_rid(rid: str, i: int) -> str:

@@ -207,3 +207,32 @@ def test_a_dead_speculator_leaves_near_drafting():
         GenerationRequest(strategy="autoregressive", **req)).token_ids
     got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **req))
     assert got.token_ids == want and side.counters.fills == 0 and not side.counters.hits
+
+
+def test_a_speculator_that_is_always_late_is_asked_only_now_and_then():
+    """Answers late at the least fan-out: the near side backs off to one fill every PROBE_EVERY steps (its drafting
+    would only take the coordinator's core), and one answer in time brings it back."""
+    f = FanOut(rows=1, depth=2, min_rows=1, min_depth=2)
+    assert all(f.ask() for _ in range(3))
+    for _ in range(FanOut.BACK_OFF_AFTER):
+        f.answered(False)
+    asked = [f.ask() for _ in range(3 * FanOut.PROBE_EVERY)]
+    assert sum(asked) == 3 and asked[FanOut.PROBE_EVERY - 1]
+    f.answered(True)
+    assert all(f.ask() for _ in range(3))
+
+
+def test_late_answers_shrink_the_fan_out_and_outputs_stay_exact():
+    """Every answer arrives one step late (dropped: it was for the step before): the fan-out falls to its least,
+    the side backs off, nothing from the cache is used, and greedy outputs equal plain decoding."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=40)}, delay=1, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=60, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 2}, **req))
+    c = side.counters
+    assert got.token_ids == want and not c.hits and c.late > 0 and c.wasted > 0
+    assert (side.fanout.rows, side.fanout.depth) == (side.fanout.min_rows, side.fanout.min_depth)
+    assert c.late_fills < c.steps - 2                    # backed off: not every step was asked
