@@ -105,6 +105,8 @@ class NearFarSide(BatchedHandle):
         self.near.release(rid)
         self.cache.drop(rid)
         self._released.append(rid)
+        if rid in self._waiting:                      # its answer can no longer be used (nor be late)
+            self._waiting.remove(rid)
 
     def flush(self) -> None:
         """Tell the speculator of ended requests now (a fill of releases only, id 0: its answer is ignored)."""
