@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 from multiprocessing.connection import Client
 
@@ -63,9 +64,9 @@ class SocketSpeculatorLink(SpeculatorLink):
             return []
         out = []
         try:
-            while self._conn.poll():
+            while select.select([self._conn], [], [], 0)[0]:     # one syscall (Connection.poll builds a selector)
                 out.append(self._conn.recv())
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):
             self._drop("its connection closed")
         return out
 
