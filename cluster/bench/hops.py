@@ -1,7 +1,8 @@
 """Where a draft call goes (issue 32 item 1): the per-step draft call's hops in a real separated unit on the
 config's family, per draft channel (``cluster.draft_channel``), and a ``speculator`` unit (near drafter, far
 speculator: its speculation cache's columns, :func:`cluster.bench.report.cache_columns`), against the same step
-in-process.
+in-process, and the same cache in-process with every answer in time (``speculator/in-time``: the hit shares a
+speculator with a core of its own would get).
 
 For each row (``default``, ``mag``, ``cs_drafting``: :func:`cluster.bench.served.row_specs`), greedy, c = 1, the
 held-out prompts one after another, interleaved prompt by prompt over the runtimes (in-process, then one
@@ -22,7 +23,13 @@ from cluster.bench.report import HOP_COLUMNS, hop_columns
 from cluster.bench.served import parse_choices, row_specs, servable
 from cluster.bench.served_cells import greedy_request
 from cluster.config.layout import DRAFT_CHANNELS
+from cluster.core.draft.near_far import LocalLink, NearFarSide
 from cluster.core.draft.programs import DRAFTS
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.speculator import Speculator
+from cluster.core.model_set import ModelSet
+from cluster.engine.engine import Engine
+from cluster.models.build import build_handles
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 from cluster.serving.control.coordinator import Coordinator
@@ -52,6 +59,27 @@ class _Timed:
 
     def restore(self) -> None:
         del self.side.draft_batch
+
+
+IN_TIME = "speculator/in-time"
+
+
+def in_time_engine(cfg, engine):
+    """``engine``'s models with a near-far draft side whose speculator (its own copies of the drafters, in this
+    process, :class:`cluster.core.draft.near_far.LocalLink`) answers every fill before the next step: the cache's
+    hit shares when no answer is late -- what a speculator with a core of its own would get -- beside the served
+    unit's, where answers arrive or not in time."""
+    handles = {n: h for n, h in engine.models.items() if n != DRAFTS}
+    drafters = {n: h for n, h in handles.items() if n != cfg.target}
+    handles[DRAFTS] = NearFarSide(DraftSide(drafters), LocalLink(Speculator(build_handles(cfg, list(drafters)))))
+    return Engine.configured(ModelSet(cfg.target, handles), engine.tokenizer, cfg.engine)
+
+
+def _taken(cache) -> dict:
+    """The cache's counters since the last call (which resets them)."""
+    out = cache.counters.as_dict()
+    cache.counters = type(cache.counters)()
+    return out
 
 
 def _flat(t: dict | None) -> dict | None:
@@ -85,6 +113,9 @@ def unit_hops(args, cfg) -> list[dict]:
         runs = {"in-process": engine.generate, **{rt: c.generate_blocking for rt, c in coords.items()}}
         draft_of = {"in-process": timed.take, **{rt: (lambda c=c: _flat(c.draft_timing(reset=True)))
                                                   for rt, c in coords.items()}}
+        if "speculator" in coords:                   # the same cache when every answer is in time
+            ideal = in_time_engine(cfg, engine)
+            runs[IN_TIME], draft_of[IN_TIME] = ideal.generate, lambda: _taken(ideal.models[DRAFTS].cache)
         agg = {(r, rt): {"tokens": 0, "seconds": 0.0, "forwards": 0, "mismatches": 0, "t": {}} for r in rows
                for rt in runs}
         for i, ids in enumerate(prompts[:1] + prompts):          # the first prompt once more, untimed: warm-up
@@ -113,10 +144,12 @@ def unit_hops(args, cfg) -> list[dict]:
     for r in rows:
         for rt in runs:
             a = agg[(r, rt)]
-            cols = hop_columns({"cache": a["t"]} if rt == "speculator" else a["t"])
+            cols = hop_columns({"cache": a["t"]} if rt.startswith("speculator") else a["t"])
             if rt == "in-process":          # no hops: the step's drafting, timed in place
                 cols = {k: cols.get(k) if k in ("draft_calls", "draft_ms", "compute_ms") else None for k in HOP_COLUMNS}
-            out.append({"strategy": r, "runtime": rt, "tok_s": round(a["tokens"] / a["seconds"], 1),
-                        "step_ms": round(1e3 * a["seconds"] / max(1, a["forwards"]), 3), **cols,
-                        "mismatches": a["mismatches"]})
+            timed_here = rt != IN_TIME              # (there the speculator drafts inside the step: no speed)
+            out.append({"strategy": r, "runtime": rt,
+                        "tok_s": round(a["tokens"] / a["seconds"], 1) if timed_here else None,
+                        "step_ms": round(1e3 * a["seconds"] / max(1, a["forwards"]), 3) if timed_here else None,
+                        **cols, "mismatches": a["mismatches"]})
     return out
