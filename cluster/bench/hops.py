@@ -23,13 +23,7 @@ from cluster.bench.report import HOP_COLUMNS, hop_columns
 from cluster.bench.served import parse_choices, row_specs, servable
 from cluster.bench.served_cells import greedy_request
 from cluster.config.layout import DRAFT_CHANNELS
-from cluster.core.draft.near_far import LocalLink, NearFarSide
 from cluster.core.draft.programs import DRAFTS
-from cluster.core.draft.side import DraftSide
-from cluster.core.draft.speculator import Speculator
-from cluster.core.model_set import ModelSet
-from cluster.engine.engine import Engine
-from cluster.models.build import build_handles
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 from cluster.serving.control.coordinator import Coordinator
@@ -62,17 +56,6 @@ class _Timed:
 
 
 IN_TIME = "speculator/in-time"
-
-
-def in_time_engine(cfg, engine):
-    """``engine``'s models with a near-far draft side whose speculator (its own copies of the drafters, in this
-    process, :class:`cluster.core.draft.near_far.LocalLink`) answers every fill before the next step: the cache's
-    hit shares when no answer is late -- what a speculator with a core of its own would get -- beside the served
-    unit's, where answers arrive or not in time."""
-    handles = {n: h for n, h in engine.models.items() if n != DRAFTS}
-    drafters = {n: h for n, h in handles.items() if n != cfg.target}
-    handles[DRAFTS] = NearFarSide(DraftSide(drafters), LocalLink(Speculator(build_handles(cfg, list(drafters)))))
-    return Engine.configured(ModelSet(cfg.target, handles), engine.tokenizer, cfg.engine)
 
 
 def _taken(cache) -> dict:
@@ -114,7 +97,7 @@ def unit_hops(args, cfg) -> list[dict]:
         draft_of = {"in-process": timed.take, **{rt: (lambda c=c: _flat(c.draft_timing(reset=True)))
                                                   for rt, c in coords.items()}}
         if "speculator" in coords:                   # the same cache when every answer is in time
-            ideal = in_time_engine(cfg, engine)
+            ideal = build_engine(cfg, speculator=True)   # the speculator in this process, never late
             runs[IN_TIME], draft_of[IN_TIME] = ideal.generate, lambda: _taken(ideal.models[DRAFTS].cache)
         agg = {(r, rt): {"tokens": 0, "seconds": 0.0, "forwards": 0, "mismatches": 0, "t": {}} for r in rows
                for rt in runs}
