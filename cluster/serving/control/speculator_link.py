@@ -20,6 +20,7 @@ from multiprocessing.connection import Client
 
 from cluster.core.draft.near_far import SpeculatorLink
 from cluster.core.draft.speculator import Fill, Reply
+from cluster.serving.control.socket_channel import close_quietly
 
 log = logging.getLogger("specserve.speculator")
 
@@ -95,13 +96,8 @@ class SocketSpeculatorLink(SpeculatorLink):
         conn, self._conn = self._conn, None
         self._next_try = time.monotonic() + RETRY_S
         log.warning("speculator link down: %s; drafting near until it is back", why)
-        if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
+        close_quietly(conn)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        close_quietly(conn)

@@ -3,7 +3,6 @@ exact output laws with the speculation cache, alone and batched, and greedy outp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cluster.core.draft.cache import Branch, Entry, FanOut, SpeculationCache, candidates
 from cluster.core.draft.near_far import LocalLink, NearFarSide
@@ -19,6 +18,7 @@ from tests.support.exact import (
     enumerate_outcomes,
     local_engine,
     max_abs_diff,
+    mixed_batch,
     steps_law,
     target_joint,
 )
@@ -45,9 +45,6 @@ def test_candidates_bet_on_the_drafters_next_best_tokens_and_its_own_bonus():
 
 
 def test_blocks_record_the_drafters_next_best_tokens():
-    from cluster.core.draft.programs import DraftCtx, run_program
-    from cluster.core.sampling import Rng
-    from tests.support.exact import run_step
     d = TabularModel("d", 5, seed=3)
     side = DraftSide({"d": d}, alts=2)
     side.prefill_batch([("r", [0, 1], SamplingParams(0.0), 0)])
@@ -156,12 +153,7 @@ def test_the_speculation_cache_batched_is_exact_per_request():
         sides.append(near_far({"d": d}, {"d": copy}, rng=rng, rows=2))
         engine = local_engine({"target": target, "d": d, DRAFTS: sides[-1]}, VocabTokenizer(3),
                               rng_factory=lambda s: rng)
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5, sampling=sp, seed=1, strategy="speculative",
-                                  options={"drafter": "d", "k": 1}, request_id=f"r{i}")
-                for i, (p, sp) in enumerate((([0], sampling), ([2, 1], greedy)))]
-        out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
-        assert out[1] in want_greedy
-        return out[0]
+        return mixed_batch(engine, sampling, want_greedy)
 
     got = enumerate_outcomes(run)
     assert max_abs_diff(got, target_joint(target, [0], 3, sampling)) < 1e-9

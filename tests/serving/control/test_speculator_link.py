@@ -9,15 +9,14 @@ import os
 import signal
 
 import pytest
-import yaml
 
-from cluster.config.schema import config_from_dict
 from cluster.core.draft.near_far import NearFarSide
 from cluster.core.draft.programs import DRAFTS, DraftSpec
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.speculator import Fill, FillItem, Speculator
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
+from tests.support.built import tiny_with_mag_on_ray
 from tests.support.exact import local_engine
 from tests.support.polling import poll
 
@@ -30,15 +29,9 @@ PROMPTS = [list(b"import os\nimport sys\nimport os\n"), list(b"def main():\n    
 def unit(tiny_engine):
     """(the link, the engine over a near-far draft side with the target and near drafters here, the config)."""
     from actors.draft_actor import start_draft_actor
-    from cluster.family import ensure_built
     from cluster.models.build import build_handle, model_vocab_size
     from cluster.serving.control.speculator_link import SocketSpeculatorLink
-    data = yaml.safe_load(open("configs/tiny.yaml"))
-    data["mag"] = {}
-    cfg = config_from_dict(data)
-    ensure_built(cfg, progress=False)
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
+    cfg = tiny_with_mag_on_ray()
     vocab = model_vocab_size(cfg, cfg.target)
     actor = start_draft_actor(cfg, list(cfg.drafters), vocab, num_cpus=0.1, overlap=False)
     link = SocketSpeculatorLink(actor)
