@@ -9,7 +9,7 @@ so every fill gets exactly one reply, in order.  The connection is the standard 
 ``multiprocessing.connection`` as in :mod:`actors.socket_link` (why a socket and not a Ray call: see there); both
 ends block in the kernel while idle.  The coordinator never waits for a reply: it reads the ones that have
 arrived when its next step starts (:class:`cluster.serving.control.speculator_link.SocketSpeculatorLink`).  The
-speculator's thread runs niced (``NICE``): it takes a spare core, never the coordinator's.
+speculator's thread runs nicer than its process (``NICER``): it takes a spare core, not the coordinator's.
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from cluster.core.draft.speculator import Reply, Speculator
 
 log = logging.getLogger("specserve.speculator")
 
-# The speculator's thread runs at this nice value: it drafts on a spare core, and where there is none (the machine's
-# cores are shared with other work) the scheduler serves the coordinator's verification and near drafting first --
-# the speculator then answers late, the near side backs off, and the unit keeps colocated speed
-NICE = 10
+# The speculator's thread runs this much nicer than its process (Ray starts workers at nice 15, the coordinator's
+# Serve replica too; at most 19): it drafts on a spare core, and where there is none (the machine's cores are
+# shared with other work) the scheduler serves the coordinator's verification and near drafting first -- the
+# speculator then answers late, the near side backs off, and the unit keeps colocated speed
+NICER = 4
 
 
 class SpeculatorServer(SocketServer):
@@ -38,7 +39,7 @@ class SpeculatorServer(SocketServer):
         super().__init__(None, same_node=same_node, authkey=authkey)
 
     def _loop(self, conn) -> None:
-        _lower_priority(NICE)
+        _lower_priority(NICER)
         while True:
             try:
                 fill = conn.recv()
@@ -65,10 +66,11 @@ class SpeculatorServer(SocketServer):
                 break
 
 
-def _lower_priority(nice: int) -> None:
-    """This thread's nice value (Linux: per thread; raising it needs no privilege); nothing where it cannot."""
+def _lower_priority(more: int) -> None:
+    """This thread ``more`` nicer, up to 19 (Linux: nice is per thread; raising it needs no privilege); nothing
+    where it cannot."""
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + more))
     except (AttributeError, OSError):
         pass
