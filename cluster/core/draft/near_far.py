@@ -38,7 +38,8 @@ class SpeculatorLink(ABC):
     up: bool = True
 
     @abstractmethod
-    def send(self, fill: Fill) -> None: ...
+    def send(self, fill: Fill) -> bool:
+        """Send ``fill``; False when it could not be (the link is down, or the fill does not travel)."""
 
     @abstractmethod
     def poll(self) -> list[Reply]: ...
@@ -55,8 +56,9 @@ class LocalLink(SpeculatorLink):
         self.speculator, self.delay = speculator, delay
         self._queue: list[list] = []                   # [polls to wait, reply]
 
-    def send(self, fill: Fill) -> None:
+    def send(self, fill: Fill) -> bool:
         self._queue.append([self.delay, self.speculator.fill(fill)])
+        return True
 
     def poll(self) -> list[Reply]:
         ready = [r for wait, r in self._queue if wait <= 0]
@@ -110,8 +112,8 @@ class NearFarSide(BatchedHandle):
 
     def flush(self) -> None:
         """Tell the speculator of ended requests now (a fill of releases only, id 0: its answer is ignored)."""
-        if self._released and self.link.up:
-            released, self._released = self._released, []
+        released, self._released = self._released, []
+        if released and self.link.up:             # (a speculator that is down lost its state with it)
             self.link.send(Fill(0, [], [], released))
 
     def active_requests(self) -> list[str]:
@@ -177,10 +179,14 @@ class NearFarSide(BatchedHandle):
         fill_items = []
         for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
             st = self.near.request(rid)
-            if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy):
+            if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy) and \
+                    getattr(st.sampling, "constraint", None) is None:      # a grammar's state stays here
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
                                            limit, budget, block.alts))
-        if not (fill_items or self._released) or not self.link.up or not self.fanout.ask():
+        if not self.link.up:
+            self._released = []
+            return
+        if not (fill_items or self._released) or not self.fanout.ask():
             return
         length = max((len(it.block) for it in fill_items), default=0)
         f = self.fanout
@@ -188,6 +194,6 @@ class NearFarSide(BatchedHandle):
         self._sent += 1
         fill = Fill(self._sent, fill_items, f.keys(length), self._released, min(f.depth, f.max_depth))
         self._released = []
-        self._waiting = [it.rid for it in fill_items]
-        self.link.send(fill)
-        self._sent_at = time.perf_counter()
+        if self.link.send(fill):
+            self._waiting = [it.rid for it in fill_items]
+            self._sent_at = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import select
 import time
 from multiprocessing.connection import Client
@@ -51,13 +52,20 @@ class SocketSpeculatorLink(SpeculatorLink):
     def up(self) -> bool:
         return self._conn is not None
 
-    def send(self, fill: Fill) -> None:
+    def send(self, fill: Fill) -> bool:
         if self._conn is None:
-            return
+            return False
         try:
-            self._conn.send(fill)
+            payload = pickle.dumps(fill, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:                 # noqa: BLE001 - this fill does not travel; the step drafts near
+            log.warning("a speculator fill could not be pickled: %s", type(e).__name__)
+            return False
+        try:
+            self._conn.send_bytes(payload)
+            return True
         except (OSError, ValueError):
             self._drop("its connection closed")
+            return False
 
     def poll(self) -> list[Reply]:
         if self._conn is None:

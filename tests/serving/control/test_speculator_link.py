@@ -66,6 +66,10 @@ def test_a_fill_answered_far_equals_the_same_fill_drafted_here(unit):
     assert [(e.expect, e.block.tokens, e.key) for e in got[0].entries["probe"]] == \
         [(e.expect, e.block.tokens, e.key) for e in want.entries["probe"]]
     link.send(Fill(0, [], [], ["probe"]))                # released: its branches leave the actor
+    unpicklable = SamplingParams(0.0, constraint=lambda: None)
+    bad = Fill(100, [FillItem("x", PROMPTS[0], unpicklable, 0, DraftSpec("propose", (drafter,)), [1], 1, 9)],
+               [("bonus", -1, 0)])
+    assert link.send(bad) is False and link.up           # a fill that cannot travel is not sent; the link stays
 
 
 def test_greedy_outputs_through_the_speculation_cache_equal_autoregressive(tiny_engine, unit):
