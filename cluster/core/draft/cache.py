@@ -92,21 +92,24 @@ class FanOut:
     max_depth: int = 4
     width: int = 1
     in_time: int = 0                           # answers in time since the fan-out last changed
-    late_run: int = 0                          # answers late in a row
+    on_time: float = 1.0                       # moving share of answers in time (the last ~8)
     steps: int = 0                             # steps since the speculator was last asked (backing off)
     tries: Counter = field(default_factory=Counter)
     hits: Counter = field(default_factory=Counter)
 
     RAISE_AFTER = 4                            # answers in time before the fan-out grows by one step
-    BACK_OFF_AFTER = 6                         # answers late in a row (at the least fan-out) before backing off
-    PROBE_EVERY = 8                            # backing off: ask the speculator every this many steps
+    BACK_OFF_BELOW = 0.5                       # back off while fewer answers than this share come in time ...
+    PROBE_EVERY = 8                            # ... asking the speculator every this many steps only
+    SMOOTHING = 1 / 8                          # weight of the latest answer in ``on_time``
 
     def ask(self) -> bool:
-        """Whether to send this step's fill: always, unless the last ``BACK_OFF_AFTER`` answers came late at the
-        least fan-out -- the speculator has no spare core (it shares the coordinator's, or the machine is
-        loaded) and its drafting would only slow the coordinator -- then once every ``PROBE_EVERY`` steps."""
+        """Whether to send this step's fill: always, unless at the least fan-out most answers still come late
+        (``on_time`` < ``BACK_OFF_BELOW``) -- the speculator has no spare core (it shares the coordinator's, or
+        the machine is loaded) and its drafting would only slow the coordinator -- then once every
+        ``PROBE_EVERY`` steps, until answers come in time again."""
         self.steps += 1
-        if self.late_run < self.BACK_OFF_AFTER or self.steps >= self.PROBE_EVERY:
+        least = self.rows <= self.min_rows and self.depth <= self.min_depth
+        if not least or self.on_time >= self.BACK_OFF_BELOW or self.steps >= self.PROBE_EVERY:
             self.steps = 0
             return True
         return False
@@ -132,8 +135,7 @@ class FanOut:
         rows first (down to 2), then shallower blocks, then one row; in time ``RAISE_AFTER`` times, deeper
         blocks first, then more rows."""
         self.depth = min(self.depth, self.max_depth)
-        least = self.rows <= self.min_rows and self.depth <= self.min_depth
-        self.late_run = 0 if in_time else self.late_run + least
+        self.on_time += self.SMOOTHING * (float(in_time) - self.on_time)
         if not in_time:
             self.in_time = 0
             if self.rows > max(2, self.min_rows):
