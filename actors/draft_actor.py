@@ -27,7 +27,9 @@ import torch
 from actors.model_actor import MAX_RESTARTS
 from actors.protocol import StepCall, StepTime, apply, stamp
 from actors.socket_link import SocketServer
+from actors.speculator_host import SpeculatorServer
 from cluster.core.draft.side import DraftSide
+from cluster.core.draft.speculator import Speculator
 from cluster.models.build import build_handle
 
 
@@ -47,6 +49,7 @@ class DraftHost:
         self._socket: SocketServer | None = None
         self._give_up = threading.Event()
         self.given_up = 0                       # pre-drafts told to give up (the call showed a rejection)
+        self._speculator: SpeculatorServer | None = None
 
     def info(self) -> dict:
         return dict(self.side.capabilities(), members={n: h.capabilities() for n, h in self.side.members.items()})
@@ -88,6 +91,16 @@ class DraftHost:
         self._socket = SocketServer(self, same_node=node_id == _node_id(), authkey=authkey)
         return self._socket.address, self._socket.family
 
+    def open_speculator(self, node_id: str | None, authkey: bytes):
+        """Host the far speculator (the ``speculator`` topology): its fills answered on a fresh socket
+        (:mod:`actors.speculator_host`), by a speculator over this actor's drafters; ``(address, family)``."""
+        old = self._speculator
+        if old is not None:
+            old.close()
+        spec = old.speculator if old is not None else Speculator(self.side.members)
+        self._speculator = SpeculatorServer(spec, same_node=node_id == _node_id(), authkey=authkey)
+        return self._speculator.address, self._speculator.family
+
     def _run_predraft(self) -> None:
         t0 = stamp()
         try:
@@ -105,8 +118,9 @@ class DraftHost:
 
     def stats(self) -> dict:
         """Pre-drafted blocks used / dropped, and background seconds (the benchmark reads them)."""
+        spec = self._speculator
         return dict(hits=self.side.hits, misses=self.side.misses, predraft_s=self.predraft_s, wait_s=self.wait_s,
-                    given_up=self.given_up)
+                    given_up=self.given_up, fills=spec.fills if spec else 0, fills_given_up=spec.given_up if spec else 0)
 
     def active_requests(self) -> list[str]:
         return self.side.active_requests()

@@ -69,6 +69,11 @@ class SocketServer:
             conn.close()
             return
         self._conn = conn
+        self._loop(conn)
+        conn.close()
+
+    def _loop(self, conn) -> None:
+        """Answer the caller's calls until it closes the connection."""
         while True:
             try:
                 call = conn.recv()
@@ -83,7 +88,6 @@ class SocketServer:
             except (OSError, ValueError):
                 break
             self.host.after_reply()              # the reply has left: pre-drafting takes the GIL only now
-        conn.close()
 
     def close(self) -> None:
         self._closed = True

@@ -1,5 +1,8 @@
 """Where a draft call goes (issue 32 item 1): the per-step draft call's hops in a real separated unit on the
-config's family, per draft channel (``cluster.draft_channel``), against the same step in-process.
+config's family, per draft channel (``cluster.draft_channel``), and a ``speculator`` unit (near drafter, far
+speculator: its speculation cache's columns, :func:`cluster.bench.report.cache_columns`), against the same step
+in-process, and the same cache in-process with every answer in time (``speculator/in-time``: the hit shares a
+speculator with a core of its own would get).
 
 For each row (``default``, ``mag``, ``cs_drafting``: :func:`cluster.bench.served.row_specs`), greedy, c = 1, the
 held-out prompts one after another, interleaved prompt by prompt over the runtimes (in-process, then one
@@ -52,6 +55,21 @@ class _Timed:
         del self.side.draft_batch
 
 
+IN_TIME = "speculator/in-time"
+
+
+def _taken(cache) -> dict:
+    """The cache's counters since the last call (which resets them)."""
+    out = cache.counters.as_dict()
+    cache.counters = type(cache.counters)()
+    return out
+
+
+def _flat(t: dict | None) -> dict | None:
+    """A speculator unit's draft timing is its cache's counters (``{"cache": {...}}``): those, to be added up."""
+    return t["cache"] if t and "cache" in t else t
+
+
 def _add(into: dict, t: dict | None) -> None:
     for k, v in (t or {}).items():
         into[k] = into.get(k, 0) + v
@@ -70,11 +88,17 @@ def unit_hops(args, cfg) -> list[dict]:
     timed = _Timed(engine.models[DRAFTS])
     try:
         for ch in channels:
-            coords[ch] = Coordinator(dataclasses.replace(cfg, cluster=dataclasses.replace(
+            coords[f"separated/{ch}"] = Coordinator(dataclasses.replace(cfg, cluster=dataclasses.replace(
                 cfg.cluster, topology="separated", draft_channel=ch)), topology="separated")
-        runs = {"in-process": engine.generate, **{f"separated/{ch}": c.generate_blocking for ch, c in coords.items()}}
-        draft_of = {"in-process": timed.take, **{f"separated/{ch}": (lambda c=c: c.draft_timing(reset=True))
-                                                  for ch, c in coords.items()}}
+        if getattr(args, "speculator", True):
+            coords["speculator"] = Coordinator(dataclasses.replace(cfg, cluster=dataclasses.replace(
+                cfg.cluster, topology="speculator")), topology="speculator")
+        runs = {"in-process": engine.generate, **{rt: c.generate_blocking for rt, c in coords.items()}}
+        draft_of = {"in-process": timed.take, **{rt: (lambda c=c: _flat(c.draft_timing(reset=True)))
+                                                  for rt, c in coords.items()}}
+        if "speculator" in coords:                   # the same cache when every answer is in time
+            ideal = build_engine(cfg, speculator=True)   # the speculator in this process, never late
+            runs[IN_TIME], draft_of[IN_TIME] = ideal.generate, lambda: _taken(ideal.models[DRAFTS].cache)
         agg = {(r, rt): {"tokens": 0, "seconds": 0.0, "forwards": 0, "mismatches": 0, "t": {}} for r in rows
                for rt in runs}
         for i, ids in enumerate(prompts[:1] + prompts):          # the first prompt once more, untimed: warm-up
@@ -103,10 +127,12 @@ def unit_hops(args, cfg) -> list[dict]:
     for r in rows:
         for rt in runs:
             a = agg[(r, rt)]
-            cols = hop_columns(a["t"])
+            cols = hop_columns({"cache": a["t"]} if rt.startswith("speculator") else a["t"])
             if rt == "in-process":          # no hops: the step's drafting, timed in place
                 cols = {k: cols.get(k) if k in ("draft_calls", "draft_ms", "compute_ms") else None for k in HOP_COLUMNS}
-            out.append({"strategy": r, "runtime": rt, "tok_s": round(a["tokens"] / a["seconds"], 1),
-                        "step_ms": round(1e3 * a["seconds"] / max(1, a["forwards"]), 3), **cols,
-                        "mismatches": a["mismatches"]})
+            timed_here = rt != IN_TIME              # (there the speculator drafts inside the step: no speed)
+            out.append({"strategy": r, "runtime": rt,
+                        "tok_s": round(a["tokens"] / a["seconds"], 1) if timed_here else None,
+                        "step_ms": round(1e3 * a["seconds"] / max(1, a["forwards"]), 3) if timed_here else None,
+                        **cols, "mismatches": a["mismatches"]})
     return out

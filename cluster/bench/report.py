@@ -144,6 +144,8 @@ HOP_COLUMNS = ("draft_calls", "draft_ms", "request_hop_ms", "actor_ms", "wait_ms
 
 def hop_columns(t: dict | None) -> dict:
     """A draft-call total (``CallTiming`` as a dict) -> per-call milliseconds by hop; {} without calls."""
+    if t and "cache" in t:
+        return cache_columns(t["cache"])
     if not t or not t.get("calls"):
         return {}
     n, hit_n = t["calls"], t["hit_calls"]
@@ -155,3 +157,21 @@ def hop_columns(t: dict | None) -> dict:
             "reply_hop_ms": ms(t["reply_s"]), "beyond_compute_ms": ms(t["wall_s"] - t["compute_s"]),
             "hit_share": round(hit_n / n, 3), "hit_compute_ms": ms(t["hit_compute_s"], hit_n),
             "miss_compute_ms": ms(t["compute_s"] - t["hit_compute_s"], n - hit_n), "disordered": t["disordered"]}
+
+
+def cache_columns(c: dict) -> dict:
+    """The speculation cache's counters (``CacheCounters`` as a dict, the ``speculator`` topology) -> the share of
+    speculative steps served from the cache, by branch kind, late answers, wasted draft tokens per step, the fan-out
+    (branches per fill), and the coordinator's time per draft call when every block was a hit (its whole cost:
+    no drafting) and over all calls; {} without steps."""
+    n = c.get("steps", 0)
+    if not n:
+        return {}
+    hits = c["hits_bonus"] + c["hits_reject"]
+    return {"cache_steps": n, "cache_hit_share": round(hits / n, 3), "hit_bonus": round(c["hits_bonus"] / n, 3),
+            "hit_reject": round(c["hits_reject"] / n, 3), "late_share": round(c["late"] / n, 3),
+            "wasted_per_step": round(c["wasted"] / n, 2), "fanout": round(c["rows"] / c["fills"], 2) if c["fills"] else 0,
+            "hit_call_ms": round(1e3 * c["hit_s"] / c["hit_calls"], 3) if c["hit_calls"] else None,
+            "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None,
+            "fill_ms": round(1e3 * c["fill_s"] / c["fills"], 3) if c["fills"] else None,
+            "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3)}

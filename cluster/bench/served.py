@@ -1,9 +1,9 @@
 """``specserve bench --suite served``: every strategy as a user meets it, through gRPC, vs concurrency,
-unary and streamed side by side, in both topologies (the separated one per draft channel with ``--channels``).
+unary and streamed side by side, in every topology (the separated one per draft channel with ``--channels``).
 
 The suite starts its own cluster: a local Ray (unless the caller already started one) and the Serve
 application of the config (:func:`cluster.serving.fronts.app.start_serve`) once per topology (``--topologies``,
-default ``separated,colocated``: ``cluster.topology`` forced to each in turn) with the gRPC/HTTP proxies on free
+default ``separated,colocated,speculator``: ``cluster.topology`` forced to each in turn) with the gRPC/HTTP proxies on free
 127.0.0.1 ports; it waits for the health service to say SERVING and shuts Serve (and the Ray it started) down
 at the end, on errors and Ctrl-C too.  All traffic goes to 127.0.0.1.
 
@@ -24,7 +24,9 @@ ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same
 only: submit -> first chunk with tokens), TPOT p50/p99
 (per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status, and where the draft side has its
 own actor the draft call's hops (:func:`cluster.bench.hops.hop_columns`: round trip, request hop, the actor's
-wait and compute, reply hop, pre-draft hit share), read from the replica after each cell.  At ``c = 1`` each row also
+wait and compute, reply hop, pre-draft hit share; in the ``speculator`` topology the speculation cache's columns,
+:func:`cluster.bench.report.cache_columns`: hit share by branch kind, late answers, wasted draft tokens, fan-out,
+the coordinator's ms per all-hit draft call), read from the replica after each cell.  At ``c = 1`` each row also
 runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
 counts) right after its served cell, for the ``cluster_vs_in_process`` column.  Every greedy output, served
 and in-process, is checked against autoregressive's for the same prompt; any mismatch is printed and makes
@@ -54,7 +56,7 @@ from cluster.serving.client.sdk import SpecServeClient
 ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
         "cs_load_aware")
 MODES = ("unary", "streamed")
-TOPOLOGIES = ("separated", "colocated")
+TOPOLOGIES = ("separated", "colocated", "speculator")
 LEVELS = (1, 2, 4, 8, 16, 32)
 K = 4
 PREFERRED_DRAFTER = "drafter-large"

@@ -14,8 +14,9 @@ which a machine whose coordinator, draft actor, Serve proxy and clients share tw
 socket (``cluster.draft_channel: socket``) answers fast and burns nothing while it waits.
 
 Then, where the config has drafters, the real thing (:mod:`cluster.bench.hops`): the per-step draft call's hops
-in a separated unit on the config's family, per draft channel (``--channels``, default ray,socket), against the
-same step in-process.
+in a separated unit on the config's family, per draft channel (``--channels``, default ray,socket), and in a
+``speculator`` unit (its speculation cache's columns: hit share by branch kind, late answers, wasted draft tokens,
+fan-out, the speculator's compute per fill against the time its answer has), against the same step in-process.
 """
 from __future__ import annotations
 
@@ -131,7 +132,8 @@ def run(args, cfg) -> int:
         write_results(rows, Path(args.out or "bench_out"), "bench_transport")
         if cfg.drafters or cfg.mag is not None:
             hops = unit_hops(args, cfg)
-            print_table(hops, f"the draft call's hops: {cfg.source}, separated unit vs in-process, c = 1, greedy, "
+            print_table(hops, f"the draft call's hops: {cfg.source}, separated and speculator units vs in-process, "
+                              f"c = 1, greedy, "
                               f"{args.prompts} held-out prompts x {args.max_new_tokens} tokens; ms per draft call "
                               f"(step_ms per target forward)")
             write_results(hops, Path(args.out or "bench_out"), "bench_transport_hops")

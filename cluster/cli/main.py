@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests-per-cell", dest="requests_per_cell",
                    help="served suite: requests per cell, at least c (instead of --requests-per-client)")
     b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")
-    b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated (default both)")
+    b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated, speculator (default all)")
     b.add_argument("--channels", help="transport and served suites: the separated unit's draft channels, "
                    "comma-separated of ray, socket (default: transport both, served the config's)")
     b.add_argument("--requests-per-client", dest="requests_per_client",

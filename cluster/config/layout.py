@@ -5,10 +5,13 @@ drafters and its target group.  Serve replicas scale whole units (``replicas``, 
 
 Topologies (where the drafters run):
   * ``auto`` (default) -- chosen from the hardware by :meth:`ClusterSpec.placement`: ``separated`` where the draft
-    side has a device of its own (``drafters.num_gpus > 0``), ``colocated`` where it would share CPU cores.
+    side has a device of its own (``drafters.num_gpus > 0``), ``speculator`` where it would share CPU cores.
   * ``separated`` -- every drafter and the Max-Gram drafter in one draft-group actor behind the draft
     side: one round trip per step for the whole draft block.
   * ``colocated`` -- the drafters inside the coordinator process (small models: no call per draft).
+  * ``speculator`` -- near drafter, far speculator: the drafters inside the coordinator answer misses, and the
+    draft-group actor (its own copy of them) drafts the next blocks of the likely outcomes of each verification
+    into a speculation cache (:mod:`cluster.core.draft.near_far`).
 The target (``target_placement``) runs in the coordinator's process by default, or as an actor, or as a
 tensor-parallel group of ``tp_size`` rank actors.
 """
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from cluster.errors import ConfigError, check_config_choice
 
 # from the hardware (ClusterSpec.placement); drafters in their own actor, or inside the coordinator
-TOPOLOGIES = ("auto", "separated", "colocated")
+TOPOLOGIES = ("auto", "separated", "colocated", "speculator")
 # Where a single-rank target runs: in the coordinator's process, so the step loop and verification sit where the
 # target's logits are and only drafts cross processes (the fewest bytes: no [L+1, V] logits per request and
 # step), or in an actor of its own (isolates it; costs a round trip per step).  A TP target is always actors.
@@ -240,17 +243,18 @@ class ClusterSpec:
                               f"got {self.target.num_gpus}")
 
     def placement(self) -> tuple[str, str]:
-        """(``separated`` or ``colocated``, why): the topology ``auto`` stands for, decided here only.  Where the
-        draft side has a device of its own (``drafters.num_gpus > 0``: GPU nodes) drafting in its own actor runs
-        beside verification; where it has none, the draft actor shares the CPU cores verification, Serve's proxy
-        and the clients use, and on the 2-core development machine in-process drafting was measured faster
-        (docs/cluster.md, "The draft call's hops, per channel"; issue 32's speculator is what would change that)."""
+        """(``separated``, ``colocated`` or ``speculator``, why): the topology ``auto`` stands for, decided here only.
+        Where the draft side has a device of its own (``drafters.num_gpus > 0``: GPU nodes) drafting in its own
+        actor runs beside verification.  Where it has none, a draft actor on the critical path shares the CPU cores
+        verification, Serve's proxy and the clients use; the near drafter keeps drafting in the coordinator (no
+        round trip on a miss) and a speculator actor drafts ahead on the spare core (docs/cluster.md, "Near drafter,
+        far speculator": measured fastest on the 2-core development machine)."""
         if self.topology != "auto":
             return self.topology, "named in the config"
         if self.drafters.num_gpus > 0:
             return "separated", "auto: the draft side has a device of its own (drafters.num_gpus > 0)"
-        return "colocated", ("auto: the draft side has no device of its own (drafters.num_gpus = 0), and on shared "
-                             "CPU cores a draft actor costs more than it hides")
+        return "speculator", ("auto: the draft side has no device of its own (drafters.num_gpus = 0): drafters in "
+                              "the coordinator answer misses, a speculator actor drafts ahead on a spare core")
 
     def tp_placement(self) -> str:
         """The TP group's placement-group strategy: one node (STRICT_PACK) for GPUs unless asked otherwise."""

@@ -1,5 +1,5 @@
 """The served suite end to end on configs/tiny.yaml, run as a user runs it (`specserve bench --suite served`, its
-own process: it starts Ray and Serve itself, both topologies in turn, free ports, and a Serve already running in
+own process: it starts Ray and Serve itself, every topology in turn, free ports, and a Serve already running in
 this test session's Ray would otherwise be joined): measures through gRPC, unary and streamed, at concurrency 1
 and 2 and in-process at c = 1, writes the CSV/JSON/PNG, the side-by-side summary and the production-70b
 projection, and every greedy output equals autoregressive's, with no failed request."""
@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 NEW = 8
 ROWS = ["autoregressive", "speculative", "cs_drafting"]
+TOPOLOGIES = ("separated", "colocated", "speculator")
 
 
 def test_served_suite_end_to_end(tmp_path):
@@ -23,13 +24,13 @@ def test_served_suite_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "cluster.cli.main", "bench", "--config", "configs/tiny.yaml", "--suite", "served",
            "--prompts", "3", "--max-new-tokens", str(NEW), "--out", str(tmp_path), "--concurrency", "1,2",
            "--requests-per-client", "2", "--strategies", ",".join(ROWS)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     printed = p.stdout
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for ext in ("csv", "json", "png"):
         assert (tmp_path / f"bench_served.{ext}").stat().st_size > 0
     rows = json.loads((tmp_path / "bench_served.json").read_text())
-    cells = [(t, m, s, c) for t in ("separated", "colocated") for m in ("unary", "streamed") for s in ROWS
+    cells = [(t, m, s, c) for t in TOPOLOGIES for m in ("unary", "streamed") for s in ROWS
              for c in (1, 2)]
     assert sorted((r["topology"], r["mode"], r["strategy"], r["concurrency"]) for r in rows) == sorted(cells)
     for r in rows:
@@ -52,8 +53,11 @@ def test_served_suite_end_to_end(tmp_path):
             assert r["draft_ms"] >= r["compute_ms"] > 0 and r["request_hop_ms"] > 0 and r["reply_hop_ms"] > 0, r
         if r["topology"] == "colocated":
             assert r.get("draft_calls") is None, r
+        if r["topology"] == "speculator" and r["strategy"] != "autoregressive":   # the speculation cache's columns
+            assert r["cache_steps"] > 0 and 0 <= r["cache_hit_share"] <= 1 and r["draft_ms"] > 0, r
+            assert abs(r["hit_bonus"] + r["hit_reject"] - r["cache_hit_share"]) < 0.002, r
     summary = json.loads((tmp_path / "bench_served_summary.json").read_text())
-    assert [(s["topology"], s["c"]) for s in summary] == [(t, c) for t in ("separated", "colocated") for c in (1, 2)]
+    assert [(s["topology"], s["c"]) for s in summary] == [(t, c) for t in TOPOLOGIES for c in (1, 2)]
     for s in summary:
         assert s["ar_streamed/unary"] > 0 and s["ar_unary_tok_s"] > 0
         assert all(len(s[name].split(" / ")) == 2 for name in ROWS[1:])

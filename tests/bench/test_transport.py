@@ -44,9 +44,16 @@ def test_draft_hops_per_channel_against_in_process():
     cfg = load_config("configs/tiny.yaml")
     rows = unit_hops(SimpleNamespace(prompts=1, max_new_tokens=12, channels="ray,socket"), cfg)
     assert [(r["strategy"], r["runtime"]) for r in rows] == [
-        (s, rt) for s in ("default", "cs_drafting") for rt in ("in-process", "separated/ray", "separated/socket")]
+        (s, rt) for s in ("default", "cs_drafting")
+        for rt in ("in-process", "separated/ray", "separated/socket", "speculator", "speculator/in-time")]
     for r in rows:
-        assert r["mismatches"] == 0 and r["draft_calls"] > 0 and r["tok_s"] > 0, r
+        assert r["mismatches"] == 0, r
+        if r["runtime"].startswith("speculator"):      # the speculation cache's columns instead of hops
+            assert r["cache_steps"] > 0 and r["draft_ms"] > 0 and 0 <= r["late_share"] <= 1, r
+            if r["runtime"] == "speculator/in-time":   # every answer in time: no late step, no speed column
+                assert r["late_share"] == 0 and r["tok_s"] is None, r
+            continue
+        assert r["tok_s"] > 0 and r["draft_calls"] > 0, r
         if r["runtime"] == "in-process":
             assert r["draft_ms"] == r["compute_ms"] and r["request_hop_ms"] is None, r
         else:

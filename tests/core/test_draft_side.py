@@ -18,6 +18,7 @@ from tests.support.exact import (
     enumerate_outcomes,
     local_engine,
     max_abs_diff,
+    mixed_batch,
     steps_law,
     target_joint,
 )
@@ -84,12 +85,7 @@ def test_overlap_batched_engine_is_exact_per_request():
 
     def run(rng):
         holder["rng"] = d.rng = rng
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5, sampling=sp, seed=1, strategy="speculative",
-                                  options={"drafter": "d", "k": 1}, request_id=f"r{i}")
-                for i, (p, sp) in enumerate((([0], sampling), ([2, 1], greedy)))]
-        out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
-        assert out[1] in want_greedy
-        return out[0]
+        return mixed_batch(engine, sampling, want_greedy)
 
     got = enumerate_outcomes(run)
     assert max_abs_diff(got, target_joint(target, [0], 3, sampling)) < 1e-9

@@ -101,3 +101,23 @@ def test_per_request_acceptance_rate_histogram():
         st = RequestStats(strategy=strategy, generated_tokens=3, drafted_tokens=drafted, accepted_tokens=accepted)
         m.record(strategy, "ok", GenerationResult([1] * 3, "", "length", st, 0, "r"), 0.1)
     assert seen == [(0.75, "mag"), (0.0, "speculative")]
+
+
+def test_speculation_counters_record_each_rounds_difference_by_branch_kind():
+    """The speculation cache's counters (the speculator topology) go out as differences, hits tagged by branch
+    kind; SPECULATION names every such series under our prefix."""
+    from cluster.core.draft.cache import CacheCounters
+    from cluster.serving.ops.metrics import SPECULATION, Metrics
+    m = Metrics("m")
+    seen = []
+    for key, counter in m.speculation.items():
+        counter.inc = lambda n, tags, key=key: seen.append((key, n, tags.get("kind")))
+    c = CacheCounters(steps=10, late=2, wasted=7, rows=9, fills=4)
+    c.hits.update({"bonus": 3, "reject": 1})
+    m.record_speculation({k: v for k, v in c.as_dict().items()})
+    assert sorted(seen) == sorted([("steps", 10, None), ("hits", 3, "bonus"), ("hits", 1, "reject"),
+                                   ("late", 2, None), ("wasted", 7, None), ("rows", 9, None), ("fills", 4, None)])
+    seen.clear()
+    m.record_speculation({"steps": 0, "hits_bonus": 0, "hits_reject": 2})      # only what changed
+    assert seen == [("hits", 2, "reject")]
+    assert all(n.startswith("ray_specserve_speculation_") and n.endswith("_total") for n in SPECULATION)

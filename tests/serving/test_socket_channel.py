@@ -9,14 +9,13 @@ import os
 import signal
 
 import pytest
-import yaml
 
 from actors.protocol import StateLostError, StepCall
-from cluster.config.schema import config_from_dict
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ModelUnavailableError
+from tests.support.built import tiny_with_mag_on_ray
 from tests.support.exact import local_engine
 from tests.support.polling import poll
 
@@ -29,16 +28,10 @@ PROMPT = list(b"import os\nimport sys\nimport os\n")
 def link(tiny_engine):
     """(socket channel over the draft-group actor, the engine over it with the target in this process)."""
     from actors.draft_actor import start_draft_actor
-    from cluster.family import ensure_built
     from cluster.models.build import build_handle, model_vocab_size
     from cluster.serving.control.remote import RemoteHandle
     from cluster.serving.control.socket_channel import SocketChannel
-    data = yaml.safe_load(open("configs/tiny.yaml"))
-    data["mag"] = {}
-    cfg = config_from_dict(data)
-    ensure_built(cfg, progress=False)
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="specserve-test", log_to_driver=False)
+    cfg = tiny_with_mag_on_ray()
     actor = start_draft_actor(cfg, list(cfg.drafters), model_vocab_size(cfg, cfg.target), num_cpus=0.1)
     channel = SocketChannel([actor], name=DRAFTS, timeout_s=30.0)
     info = channel.ask("info").wait(300)[0]

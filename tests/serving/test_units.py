@@ -145,15 +145,15 @@ def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped
 
 
 def test_topology_auto_follows_the_draft_sides_device():
-    """``auto`` (the default): the draft side in its own actor where it has a device (GPU), in the coordinator
-    where it would share CPU cores; a named topology is kept."""
+    """``auto`` (the default): the draft side in its own actor where it has a device (GPU); where it would share
+    CPU cores, the near drafter in the coordinator and the speculator in an actor; a named topology is kept."""
     from cluster.config.layout import ActorResources, ClusterSpec
     assert ClusterSpec().topology == "auto"
-    assert ClusterSpec().placement()[0] == "colocated" and "no device" in ClusterSpec().placement()[1]
+    assert ClusterSpec().placement()[0] == "speculator" and "no device" in ClusterSpec().placement()[1]
     gpu = ClusterSpec(drafters=ActorResources(num_gpus=1))
     assert gpu.placement()[0] == "separated"
     assert ClusterSpec(topology="separated").placement() == ("separated", "named in the config")
-    assert load_config(ROOT / "configs" / "local.yaml").cluster.placement()[0] == "separated"
+    assert load_config(ROOT / "configs" / "local.yaml").cluster.placement() == ("colocated", "named in the config")
 
 
 def test_configs_cluster_sections():
@@ -166,7 +166,7 @@ def test_configs_cluster_sections():
 
 
 @pytest.mark.parametrize("section,words", [
-    ({"topology": "mesh"}, ["cluster.topology", "auto, separated, colocated", "mesh"]),
+    ({"topology": "mesh"}, ["cluster.topology", "auto, separated, colocated, speculator", "mesh"]),
     ({"draft_channel": "grpc"}, ["cluster.draft_channel", "ray, socket", "grpc"]),
     ({"tp_size": 0}, ["cluster.tp_size", "[1, 1024]", "0"]),
     ({"backend": "mpi"}, ["cluster.backend", "mpi"]),

@@ -261,10 +261,10 @@ def product(laws: list[dict]) -> dict:
 
 
 def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sampling, n: int, budget: int,
-              overlap: bool = False) -> dict:
+              overlap: bool = False, side=None) -> dict:
     """The exact law of the first ``n`` tokens from repeated steps of strategy ``name`` (each step planned with
     ``budget``), enumerating every random draw (the draft side's too; ``overlap``: it pre-drafts every next
-    block, see :mod:`cluster.core.draft.side`)."""
+    block, see :mod:`cluster.core.draft.side`; ``side(drafters, rng)``: builds the draft side instead)."""
     from cluster.core.draft.side import DraftSide
     from cluster.core.draft.programs import DRAFTS
     from cluster.core.stats import RequestStats
@@ -276,8 +276,9 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
         for m in drafters.values():
             if isinstance(m, TabularModel):
                 m.rng = rng
-        side = {DRAFTS: DraftSide(drafters, overlap=overlap, rng_factory=lambda s: rng, sampled=True)} if drafters else {}
-        every = {**models, **side}
+        make = side or (lambda ds, r: DraftSide(ds, overlap=overlap, rng_factory=lambda s: r, sampled=True))
+        side_ = {DRAFTS: make(drafters, rng)} if drafters else {}
+        every = {**models, **side_}
         strategy = REGISTRY[name](opts, every, target)
         for h in every.values():
             h.prefill_batch([("r", prompt, sampling, 0)])
@@ -289,3 +290,16 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
             out.extend(new)
         return tuple(out[:n])
     return enumerate_outcomes(run)
+
+
+def mixed_batch(engine, sampling, want_greedy: dict, max_new: int = 5) -> tuple:
+    """One batch of a ``sampling`` request (prompt [0]) and a greedy one (prompt [2, 1]), speculative k = 1 with
+    drafter ``d``: asserts the greedy one's first 3 tokens are in ``want_greedy``; returns the sampled one's."""
+    from cluster.core.sampling import SamplingParams
+    from cluster.engine.request import GenerationRequest
+    reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=max_new, sampling=sp, seed=1, strategy="speculative",
+                              options={"drafter": "d", "k": 1}, request_id=f"r{i}")
+            for i, (p, sp) in enumerate((([0], sampling), ([2, 1], SamplingParams(0.0))))]
+    out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
+    assert out[1] in want_greedy
+    return out[0]

@@ -66,6 +66,7 @@ class DraftBlock:
     q: torch.Tensor | None = None
     support: torch.Tensor | None = None
     forwards: dict[str, int] = field(default_factory=dict)
+    alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position (a speculator's bets)
 
     def probs(self, vocab_size: int, sampling: SamplingParams) -> torch.Tensor:
         """q as float64 rows ``[L, V]``: exactly the distributions the tokens were drawn from."""
@@ -88,7 +89,8 @@ class DraftBlock:
         """Tokens ``start .. start+limit`` (a pre-drafted block past its bonus guess, cut to the ask)."""
         end = start + limit
         cut = (lambda t: None if t is None else t[start:end])
-        return DraftBlock(self.tokens[start:end], self.form, cut(self.q), cut(self.support), dict(self.forwards))
+        return DraftBlock(self.tokens[start:end], self.form, cut(self.q), cut(self.support), dict(self.forwards),
+                          cut(self.alts))
 
 
 def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingParams, *,
@@ -120,6 +122,7 @@ class DraftCtx:
     held: Callable[[str, list[int]], None]    # (drafter, work): it holds committed + work after a call
     forwards: dict[str, int] = field(default_factory=dict)
     committed: list[int] = field(default_factory=list)   # the request's committed tokens (prompt included)
+    alts: int = 0                    # record this many next-best tokens per position on the block (DraftBlock.alts)
 
     def grammar_cut(self, work: list[int], toks: list[int]) -> list[int]:
         """A deterministic (Max-Gram) draft cut at its first token the request's grammar forbids: exact, as
@@ -145,7 +148,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     if spec.kind == "cascade":
         toks, qs, _ = yield from CSDraftProgram(dc, spec).draft(0, list(work), limit)
         q = torch.stack(qs) if qs else None
-        return pack_block(toks, q, dc.sampling, forwards=dc.forwards)
+        return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
     if spec.kind == "propose" and stoppable and not dc.deterministic(name):
         toks, rows = [], []
@@ -171,7 +174,16 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         toks = dc.grammar_cut(work, toks)                                 # neural drafters sampled masked
         logits = logits[:len(toks)]
     q = None if onehot or dc.sampling.greedy or not toks else logits_to_probs(logits, dc.sampling)
-    return pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
+    block = pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
+    return block if onehot else _with_alts(block, logits, dc.alts)
+
+
+def _with_alts(block: DraftBlock, rows: torch.Tensor | None, width: int) -> DraftBlock:
+    """``block`` with the ``width`` best tokens per position other than its own, by ``rows`` [>= L, V]."""
+    if width and rows is not None and block.tokens:
+        order = rows[:len(block.tokens)].topk(min(width + 1, rows.shape[-1]), dim=-1).indices.tolist()
+        block.alts = [[t for t in o if t != x][:width] for o, x in zip(order, block.tokens)]
+    return block
 
 
 class CSDraftProgram:

@@ -94,7 +94,7 @@ class DraftSide(BatchedHandle):
                            # is busy and a wasted pre-draft is not free)
 
     def __init__(self, members: dict, *, overlap: bool = False, deferred: bool = False, rng_factory=Rng,
-                 sampled: bool = False):
+                 sampled: bool = False, alts: int = 0):
         if not members:
             raise ValueError("a draft side needs at least one drafter")
         self.members = dict(members)
@@ -105,7 +105,7 @@ class DraftSide(BatchedHandle):
         # deferred: the host calls predraft() after answering (an actor, while the target verifies); else
         # draft_batch pre-drafts before it returns (in-process: same blocks, nothing gained, path covered)
         self.overlap, self.deferred = overlap, deferred
-        self.rng_factory = rng_factory
+        self.rng_factory, self.alts = rng_factory, alts    # alts: next-best tokens kept per position (a speculator's)
         self.vocab_size = min(h.vocab_size for h in self.members.values())
         self.max_length = min(h.max_length for h in self.members.values())
         self.num_params = sum(int(h.num_params) for h in self.members.values())
@@ -126,16 +126,21 @@ class DraftSide(BatchedHandle):
 
     def rollback(self, rid: str, length: int) -> None:
         """The committed sequence becomes (committed + the last block)[:length]."""
-        st = self._get(rid)
+        st = self.request(rid)
         st.seq = (st.seq + st.last)[:length] if length > len(st.seq) else st.seq[:length]
         st.last = []
         for name in st.agreed:
             st.agreed[name] = min(st.agreed[name], len(st.seq))
 
     def extend(self, rid: str, ids: list[int]) -> None:
-        st = self._get(rid)
+        st = self.request(rid)
         st.seq = st.seq + list(ids)
         st.last = []
+
+    def adopt(self, rid: str, tokens: list[int]) -> None:
+        """The step verifies ``tokens``, drafted elsewhere (:mod:`cluster.core.draft.near_far`): commits count over it."""
+        st = self.request(rid)
+        st.last, st.pre = list(tokens), None
 
     def release(self, rid: str) -> None:
         st = self._reqs.pop(rid, None)
@@ -151,14 +156,15 @@ class DraftSide(BatchedHandle):
         return all(h.probe() for h in self.members.values())
 
     # -- drafting -----------------------------------------------------------------------------------
-    def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]]) -> list:
+    def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]], stop=None) -> list:
         """One block per item ``(rid, spec, limit, budget)``: at most ``limit`` tokens; ``budget`` = tokens
         the request may still emit this step (bounds what :meth:`predraft` drafts ahead).  A request whose
-        drafting failed gets its exception in place of a block."""
+        drafting failed gets its exception in place of a block (``stop``: see :meth:`_run`; a speculator's
+        drafting gives up that way)."""
         out: list[DraftBlock | None] = [None] * len(items)
         todo = []
         for i, (rid, spec, limit, budget) in enumerate(items):
-            st = self._get(rid)
+            st = self.request(rid)
             pre, st.pre = st.pre, None
             st.tries += pre is not None
             if pre is not None and pre.spec == spec and pre.expect == st.seq and len(pre.block.tokens) > 1:
@@ -168,11 +174,11 @@ class DraftSide(BatchedHandle):
             else:
                 self.misses += pre is not None
                 todo.append(_Run(i, rid, spec, [], limit))
-        for run, block in zip(todo, self._run(todo)):
+        for run, block in zip(todo, self._run(todo, stop)):
             out[run.key] = block
         ok = [(item, b) for item, b in zip(items, out) if isinstance(b, DraftBlock)]
         for (rid, *_), block in ok:
-            self._get(rid).last = list(block.tokens)
+            self.request(rid).last = list(block.tokens)
         if self.overlap:
             self._todo = [(DraftItem(*item), b) for item, b in ok]
             if not self.deferred:
@@ -221,13 +227,11 @@ class DraftSide(BatchedHandle):
         return any(len(seq) == len(base) + 1 and seq[:len(base)] == base
                    for rid, base in self._drafting.items() if rid in seqs for seq in [seqs[rid][0]])
 
-    @property
-    def pending(self) -> bool:
-        """Whether :meth:`predraft` has work (the actor runs it after answering)."""
-        return bool(self._todo)
+    pending = property(lambda self: bool(self._todo), doc="Whether :meth:`predraft` has work (run after answering).")
 
     # -- internals ----------------------------------------------------------------------------------
-    def _get(self, rid: str) -> _Req:
+    def request(self, rid: str) -> _Req:
+        """The request's state (committed ``seq``, ``sampling``, ``seed``), else UnknownRequestError."""
         try:
             return self._reqs[rid]
         except KeyError:
@@ -243,7 +247,7 @@ class DraftSide(BatchedHandle):
             if run.key not in failed:
                 st = self._reqs[run.rid]
                 dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
-                              self._holder(st), committed=st.seq)
+                              self._holder(st), committed=st.seq, alts=self.alts)
                 gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=stop is not None)
                 rids[run.key] = run.rid
         done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop)}

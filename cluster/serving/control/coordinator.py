@@ -60,6 +60,7 @@ class Coordinator:
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics
+        self._spec_seen: tuple = (None, {})        # the speculation counters last recorded (their object, values)
         self._timelines: dict[Sequence, Timeline] = {}     # live streamed requests not yet in the batch
         self.warm = False
         self._wake = threading.Condition()
@@ -94,7 +95,17 @@ class Coordinator:
                 self._notify()
             if self.metrics is not None:         # the gauges, every round (never raises)
                 self.metrics.set_models_up({n: n not in self.engine.health.down for n in self.entries})
+                self._record_speculation()
             self._stop.wait(period_s)
+
+    def _record_speculation(self) -> None:
+        """The speculation cache's counters since the last round, to the metrics (the ``speculator`` topology)."""
+        cache = getattr(self.engine.models.get(DRAFTS), "cache", None)
+        if cache is not None:
+            c, now = cache.counters, cache.counters.as_dict()
+            prev = self._spec_seen[1] if self._spec_seen[0] is c else {}       # reset by the benchmark: from 0
+            self.metrics.record_speculation({k: v - prev.get(k, 0) for k, v in now.items()})
+            self._spec_seen = (c, now)
 
     # -- the step loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -246,9 +257,15 @@ class Coordinator:
 
     def draft_timing(self, reset: bool = False) -> dict | None:
         """The draft side's ``draft_batch`` calls since the last reset, as a dict of
-        :class:`cluster.serving.control.remote.CallTiming`'s totals (the served benchmark's hop columns); None
-        when the draft side runs in this process."""
+        :class:`cluster.serving.control.remote.CallTiming`'s totals (the served benchmark's hop columns); in the
+        ``speculator`` topology ``{"cache": CacheCounters as a dict}``; None when the draft side runs in this
+        process otherwise."""
         e = self.entries.get(DRAFTS)
+        if e is not None and hasattr(e.handle, "cache"):     # speculator: the speculation cache's counters
+            out = {"cache": e.handle.cache.counters.as_dict()}
+            if reset:
+                e.handle.cache.counters = type(e.handle.cache.counters)()
+            return out
         if e is None or e.placement == "local":
             return None
         t = e.handle.per_method.get("draft_batch")

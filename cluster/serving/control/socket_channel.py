@@ -80,12 +80,17 @@ class SocketChannel(RayChannel):
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
+        close_quietly(conn)
 
     def close(self) -> None:
         self._drop()
         super().close()
+
+
+def close_quietly(conn) -> None:
+    """Close a connection (None: nothing) that may already be broken."""
+    if conn is not None:
+        try:
+            conn.close()
+        except OSError:
+            pass

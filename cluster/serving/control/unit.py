@@ -1,8 +1,9 @@
 """A serving unit on Ray: start its actors and connect remote handles (the cluster's composition root).
 
 Counterpart of :mod:`cluster.local`: the drafters and the Max-Gram drafter (together in ONE draft-group actor
-behind the draft side in the default ``separated`` topology, :mod:`actors.draft_actor`; in-process in
-``colocated``), and the target (in the coordinator's process by default, so verification runs where its logits
+behind the draft side in the ``separated`` topology, :mod:`actors.draft_actor`; in-process in ``colocated``; in
+``speculator`` in-process as the near drafter, with the draft-group actor as the far speculator filling its
+speculation cache, :mod:`cluster.core.draft.near_far`), and the target (in the coordinator's process by default, so verification runs where its logits
 are; an actor with ``target_placement: actor``; a tensor-parallel group of rank actors when ``tp_size > 1``),
 every one built by :func:`cluster.models.build.build_handle`.  Separated, the engine's models are the target,
 the draft side (:data:`cluster.core.draft.programs.DRAFTS`, one round trip per step) and each drafter as a member of
@@ -18,12 +19,15 @@ from actors.draft_actor import start_draft_actor
 from actors.model_actor import start_model_actor
 from actors.tp import start_tp_group
 from cluster.config.schema import Config
+from cluster.core.draft.near_far import NearFarSide
 from cluster.core.draft.programs import DRAFTS
+from cluster.core.draft.side import DraftSide
 from cluster.core.model_set import ModelSet
 from cluster.models.build import build_handle, load_tokenizer, model_vocab_size
 from cluster.serving.control.ray_channel import RayChannel
 from cluster.serving.control.remote import RemoteHandle
 from cluster.serving.control.socket_channel import SocketChannel
+from cluster.serving.control.speculator_link import SocketSpeculatorLink
 
 STARTUP_TIMEOUT_S = 900.0     # loading a model (or a TP group's shards) may take minutes; calls have their own
 
@@ -45,7 +49,8 @@ def build_unit(cfg: Config, topology: str | None = None):
     """Start the actors of one unit; returns (entries by name, the engine's :class:`ModelSet`, tokenizer,
     channels to close)."""
     cl = cfg.cluster
-    separated = (topology or cl.placement()[0]) == "separated"
+    topology = topology or cl.placement()[0]
+    separated, speculator = topology == "separated", topology == "speculator"
     entries: dict[str, ModelEntry] = {}
     # start every actor first (they load in parallel), then connect: name -> (actors, pg, placement)
     started: dict[str, tuple] = {}
@@ -62,12 +67,17 @@ def build_unit(cfg: Config, topology: str | None = None):
         actor = start_model_actor(cfg, cfg.target, threads=cl.target.threads, **cl.target.ray_options())
         started[cfg.target] = ([actor], None, "actor")
 
-    if separated and (cfg.drafters or cfg.mag is not None):     # every drafter in one draft-group actor
+    far = None                                   # speculator: the draft-group actor hosting it
+    if (separated or speculator) and (cfg.drafters or cfg.mag is not None):   # every drafter in one draft-group actor
         vocab = model_vocab_size(cfg, cfg.target)     # the Max-Gram table's, from the config alone
         actor = start_draft_actor(cfg, list(cfg.drafters), vocab, threads=cl.drafters.threads,
-                                  overlap=cfg.engine.overlap_on(draft_side_remote=True), **cl.drafters.ray_options())
-        started[DRAFTS] = ([actor], None, "actor")
-    elif not separated:
+                                  overlap=separated and cfg.engine.overlap_on(draft_side_remote=True),
+                                  **cl.drafters.ray_options())
+        if separated:
+            started[DRAFTS] = ([actor], None, "actor")
+        else:
+            far = RayChannel([actor], name="speculator", timeout_s=cl.call_timeout_s)
+    if not separated:
         for name in cfg.drafters:
             entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name))
     if cfg.target not in started:                # ... or in this (the coordinator's) process, while actors load
@@ -75,7 +85,7 @@ def build_unit(cfg: Config, topology: str | None = None):
     channels = {name: _channel(cl, name)(actors, name=name, timeout_s=cl.call_timeout_s, placement_group=pg,
                                          restart=rebuild if placement == "tp-group" else None)
                 for name, (actors, pg, placement) in started.items()}
-    asked = {name: ch.ask("info") for name, ch in channels.items()}     # every actor loads meanwhile
+    asked = {name: ch.ask("info") for name, ch in {**channels, **({"": far} if far else {})}.items()}   # all load
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     for name, ch in channels.items():
         info, placement = asked[name].wait(max(0.0, deadline - time.monotonic()))[0], started[name][2]
@@ -89,8 +99,14 @@ def build_unit(cfg: Config, topology: str | None = None):
         entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
                                            build_handle(cfg, cfg.mag.name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
-    models = ModelSet.assemble({n: e.handle for n, e in ordered.items()}, cfg.target,
-                               overlap=cfg.engine.overlap_on(draft_side_remote=False))
+    handles = {n: e.handle for n, e in ordered.items()}
+    if far is not None:                          # the near draft side over this process's drafters, and the far one
+        asked[""].wait(max(0.0, deadline - time.monotonic()))
+        link = SocketSpeculatorLink(far.actors[0])
+        link.open(max(1.0, deadline - time.monotonic()))
+        drafters = {n: h for n, h in handles.items() if n != cfg.target}
+        handles[DRAFTS] = NearFarSide(DraftSide(drafters), link)
+    models = ModelSet.assemble(handles, cfg.target, overlap=cfg.engine.overlap_on(draft_side_remote=False))
     if DRAFTS not in ordered and models.draft_side is not None:          # colocated: the draft side in-process
         ordered[DRAFTS] = ModelEntry(DRAFTS, "draft-side", "local", models.draft_side)
-    return ordered, models, load_tokenizer(cfg), list(channels.values())
+    return ordered, models, load_tokenizer(cfg), list(channels.values()) + ([far] if far is not None else [])

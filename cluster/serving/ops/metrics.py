@@ -12,7 +12,8 @@ engine emits them.  ``kv_cache_usage_perc`` is the fraction of the unit's KV pos
 reserve (``engine.kv_budget_tokens``, configured or derived from device memory), what admission is decided
 on.  Ray prefixes every name with ``ray_`` and counters with a ``_total`` suffix: ``vllm_spec_decode_num_drafts`` is scraped as
 ``ray_vllm_spec_decode_num_drafts_total``.  (A ``:`` in a Ray metric name is deprecated and the series is
-dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name.
+dropped by Ray 2.60's OpenTelemetry exporter.)  EXPORTED lists every scraped name, SPECULATION those a unit in the
+``speculator`` topology adds (the speculation cache: hits by branch kind, late answers, wasted draft tokens, fan-out).
 
 Labels: ``model_name`` (the served model id, as vLLM labels it) and ``strategy`` on every per-request series,
 plus ``position`` / ``finished_reason`` / ``outcome`` where named; inside a Serve replica Ray Serve adds
@@ -66,8 +67,24 @@ EXPORTED = {
     "ray_specserve_cascade_deferral_checks_total": "counter", "ray_specserve_model_up": "gauge",
     "ray_specserve_request_acceptance_rate": "histogram",
 }
+# the speculation cache's series, scraped where a unit runs the ``speculator`` topology (cluster/core/draft/cache.py)
+SPECULATION = {
+    "ray_specserve_speculation_steps_total": "counter", "ray_specserve_speculation_hits_total": "counter",
+    "ray_specserve_speculation_late_total": "counter", "ray_specserve_speculation_wasted_draft_tokens_total": "counter",
+    "ray_specserve_speculation_branches_total": "counter", "ray_specserve_speculation_fills_total": "counter",
+}
 
 log = logging.getLogger("specserve.metrics")
+
+# (CacheCounters field, series name, help, extra tags): hits by branch kind (bonus: the whole block accepted and
+# the bonus guessed; reject: a rejection at some position with its correction guessed); fan-out = branches / fills
+SPECULATION_COUNTERS = (
+    ("steps", "steps", "blocks asked of the near-far draft side (speculative steps, per request)", ()),
+    ("hits", "hits", "blocks served from the speculation cache, by branch kind", ("kind",)),
+    ("late", "late", "steps whose speculator answer had not arrived (drafted near)", ()),
+    ("wasted", "wasted_draft_tokens", "tokens the speculator drafted that no step used", ()),
+    ("rows", "branches", "branches the speculator drafted (answered in time)", ()),
+    ("fills", "fills", "speculator answers that arrived in time", ()))
 
 
 @dataclass
@@ -161,7 +178,23 @@ class Metrics:
         self.model_up = Gauge("specserve_model_up", "1 while a model of the unit answers, 0 while it is marked "
                               "down (its requests go on without it; a down target fails them)",
                               tag_keys=("model_name", "model"))
+        unit = ("model_name",)
+        self.speculation = {key: Counter(f"specserve_speculation_{name}", doc, tag_keys=unit + extra)
+                            for key, name, doc, extra in SPECULATION_COUNTERS}
         self._load: tuple[int, int, float] | None = None
+
+    def record_speculation(self, delta: dict) -> None:
+        """The speculation cache's counters since the last call (``CacheCounters.as_dict()`` differences, the
+        coordinator's watchdog round).  Never raises."""
+        try:
+            tags = {"model_name": self.model_name}
+            for key, _, _, extra in SPECULATION_COUNTERS:
+                for kind in (("bonus", "reject") if extra else (None,)):
+                    n = delta.get(f"{key}_{kind}" if kind else key, 0)
+                    if n > 0:
+                        self.speculation[key].inc(n, {**tags, "kind": kind} if kind else tags)
+        except Exception as e:             # noqa: BLE001
+            log.warning("speculation not recorded: %s", shown(e, 200))
 
     def record(self, strategy: str, outcome: str, result=None, e2e_s: float | None = None,
                error: BaseException | None = None, timeline: Timeline | None = None) -> None:

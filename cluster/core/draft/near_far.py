@@ -1,0 +1,199 @@
+"""Near drafter, far speculator: the draft side of the ``speculator`` topology.
+
+The engine sees one handle, :data:`cluster.core.draft.programs.DRAFTS`, as with any draft side.  Behind it:
+
+* the **near** draft side (:class:`cluster.core.draft.side.DraftSide` over drafters in the coordinator's own
+  process: the colocated draft side), which answers every miss with no round trip;
+* a **far speculator** (:class:`cluster.core.draft.speculator.Speculator`, in a process of its own, reached
+  through a :class:`SpeculatorLink`) that, while the target verifies each block, drafts the next block for the
+  likely outcomes of that verification and sends them back to fill the speculation cache
+  (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative Decoding*; Liu et al., *PEARL*).
+
+Each ``draft_batch``: read the speculator's answers that have arrived (never waiting: one that has not arrived
+counts as ``late`` and the step drafts near); per request take the block drafted from exactly the committed
+sequence (a hit), else draft near (the near drafters catch up on the tokens they missed with their first forward,
+as after a plain step); then send the speculator the blocks about to be verified (one message, nothing awaited).
+A late or dead speculator leaves colocated speed.  Lossless: every block, near or far, is a draw of the draft
+program at the exact committed sequence it is verified against, with the distribution it was drawn from, made
+independently of the target's draws (:mod:`cluster.core.draft.cache`).  Only greedy requests are speculated unless
+``sampled=True`` (as pre-drafting: a seed then gives the same tokens in every runtime); at most ``MAX_ROWS``
+requests per step (beyond, the spare core is not spare).
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+from cluster.core.draft.cache import FanOut, SpeculationCache
+from cluster.core.draft.programs import DRAFTS, DraftBlock
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.speculator import Fill, FillItem, Reply, Speculator
+from cluster.core.interfaces import BatchedHandle, UnsupportedCallError
+
+
+class SpeculatorLink(ABC):
+    """How the near side reaches its speculator: ``send`` never waits for the answer; ``poll`` returns the
+    answers that have arrived, without waiting; ``up`` is False while the speculator is gone."""
+
+    up: bool = True
+
+    @abstractmethod
+    def send(self, fill: Fill) -> bool:
+        """Send ``fill``; False when it could not be (the link is down, or the fill does not travel)."""
+
+    @abstractmethod
+    def poll(self) -> list[Reply]: ...
+
+    def close(self) -> None:
+        """Stop what the link started; nothing by default."""
+
+
+class LocalLink(SpeculatorLink):
+    """A speculator in this process (tests, ``--runtime in-process``): each fill is drafted when sent, and its
+    answer arrives ``delay`` polls later (0: at the next step; more: a speculator that is late)."""
+
+    def __init__(self, speculator: Speculator, delay: int = 0):
+        self.speculator, self.delay = speculator, delay
+        self._queue: list[list] = []                   # [polls to wait, reply]
+
+    def send(self, fill: Fill) -> bool:
+        self._queue.append([self.delay, self.speculator.fill(fill)])
+        return True
+
+    def poll(self) -> list[Reply]:
+        ready = [r for wait, r in self._queue if wait <= 0]
+        self._queue = [[wait - 1, r] for wait, r in self._queue if wait > 0]
+        return ready
+
+
+class NearFarSide(BatchedHandle):
+    """See the module docstring.  ``near``: the coordinator's draft side (overlap off); ``link``: the speculator."""
+
+    name = DRAFTS
+    MAX_ROWS = 8
+
+    def __init__(self, near: DraftSide, link: SpeculatorLink, *, fanout: FanOut | None = None,
+                 sampled: bool = False):
+        self.near, self.link, self.sampled = near, link, sampled
+        self.fanout = fanout or FanOut()
+        self.cache = SpeculationCache()
+        self.vocab_size, self.max_length, self.num_params = near.vocab_size, near.max_length, near.num_params
+        self.members = near.members
+        near.alts = max(near.alts, self.fanout.width)  # its blocks carry the rejection bets
+        self._sent, self._sent_at = 0, 0.0             # the last fill's id (0: none) and when it left
+        self._waiting: list[str] = []                  # the requests of a fill whose answer has not arrived
+        self._released: list[str] = []
+
+    @property
+    def counters(self):
+        return self.cache.counters
+
+    # -- the handle protocol: bookkeeping goes to the near side ----------------------------------------
+    def prefill_batch(self, items) -> None:
+        for rid, *_ in items:
+            self.cache.drop(rid)
+        self.near.prefill_batch(items)
+
+    def score_batch(self, items) -> list:
+        raise UnsupportedCallError(self.name, "score_batch")
+
+    def rollback(self, rid: str, length: int) -> None:
+        self.near.rollback(rid, length)
+
+    def extend(self, rid: str, ids: list[int]) -> None:
+        self.near.extend(rid, ids)
+
+    def release(self, rid: str) -> None:
+        self.near.release(rid)
+        self.cache.drop(rid)
+        self._released.append(rid)
+        if rid in self._waiting:                      # its answer can no longer be used (nor be late)
+            self._waiting.remove(rid)
+
+    def flush(self) -> None:
+        """Tell the speculator of ended requests now (a fill of releases only, id 0: its answer is ignored)."""
+        released, self._released = self._released, []
+        if released and self.link.up:             # (a speculator that is down lost its state with it)
+            self.link.send(Fill(0, [], [], released))
+
+    def active_requests(self) -> list[str]:
+        return self.near.active_requests()
+
+    def probe(self) -> bool:
+        return self.near.probe()
+
+    # -- drafting -------------------------------------------------------------------------------------
+    def draft_batch(self, items: list[tuple], stop=None) -> list:
+        """One block per item ``(rid, spec, limit, budget)`` (see the module docstring)."""
+        t0 = time.perf_counter()
+        self._receive()
+        out: list = [None] * len(items)
+        miss = []
+        c = self.cache.counters
+        for i, (rid, spec, limit, _) in enumerate(items):
+            c.steps += 1
+            used, entries = self.cache.take(rid, self.near.request(rid).seq, spec)
+            if entries:
+                self.fanout.outcome([e.key for e in entries], used.key if used else None)
+                c.wasted += sum(len(e.block.tokens) for e in entries if e is not used)
+            if used is not None:
+                c.hits[used.key[0]] += 1
+                out[i] = used.block.tail(0, limit)
+                self.near.adopt(rid, out[i].tokens)
+            else:
+                miss.append(i)
+        if miss:
+            for i, block in zip(miss, self.near.draft_batch([items[i] for i in miss])):
+                out[i] = block
+        self._send(items, out)
+        dt = time.perf_counter() - t0
+        c.calls, c.call_s = c.calls + 1, c.call_s + dt
+        if not miss:
+            c.hit_calls, c.hit_s = c.hit_calls + 1, c.hit_s + dt
+        return out
+
+    def _receive(self) -> None:
+        """Fill the cache from the answer to the last fill, if it has arrived; count it late otherwise."""
+        if self._waiting:
+            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+        for reply in self.link.poll():               # (a link that is down reconnects from here)
+            if reply.id and reply.id == self._sent:
+                self.cache.counters.fill_s += reply.compute_s
+                live = set(self.near.active_requests())
+                for rid, entries in reply.entries.items():
+                    if rid in live:
+                        self.cache.put(rid, entries)
+                self.cache.counters.rows += reply.rows
+                self.cache.counters.fills += 1
+                self._waiting = []
+                self.fanout.answered(True)
+            elif reply.id:                             # a late answer to an older fill: all of it wasted
+                self.cache.counters.wasted += reply.tokens
+        if self._waiting:
+            self.cache.counters.late += len(self._waiting)
+            self.cache.counters.late_fills += 1
+            self.fanout.answered(False)
+            self._waiting = []
+
+    def _send(self, items: list[tuple], out: list) -> None:
+        fill_items = []
+        for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
+            st = self.near.request(rid)
+            if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy) and \
+                    getattr(st.sampling, "constraint", None) is None:      # a grammar's state stays here
+                fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
+                                           limit, budget, block.alts))
+        if not self.link.up:
+            self._released = []
+            return
+        if not (fill_items or self._released) or not self.fanout.ask():
+            return
+        length = max((len(it.block) for it in fill_items), default=0)
+        f = self.fanout
+        f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
+        self._sent += 1
+        fill = Fill(self._sent, fill_items, f.keys(length), self._released, min(f.depth, f.max_depth))
+        self._released = []
+        if self.link.send(fill):
+            self._waiting = [it.rid for it in fill_items]
+            self._sent_at = time.perf_counter()

@@ -1,0 +1,136 @@
+"""The speculator: drafts the next block for each outcome of the verification now running, to fill the
+coordinator's speculation cache (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative
+Decoding*, the speculator filling the speculation cache; Liu et al., *PEARL*; SwiftSpec's branches).
+
+One :class:`Fill` names, per request, the committed sequence, the block the target is verifying and the drafter's
+next-best tokens per position of it (recorded when it was drafted, :attr:`DraftBlock.alts`); the speculator drafts
+the next block of every branch (:func:`cluster.core.draft.cache.candidates`) with its own draft side (its own copy
+of the drafters, the Max-Gram index and the cascade: the same draft programs as the coordinator's), all branches of
+all requests as requests of ONE draft side, so each drafting round is one batched drafter forward of all branch
+rows.  The bonus branch continues the block itself and drafts one token more: its first token is the bet on the
+bonus, the rest its block (PEARL's pre-draft).  A branch is a request ``rid|i`` of that side, kept between fills:
+moving it to its next bet is one rollback to the common prefix and one extend (the drafters' caches are cropped,
+not refilled).  Blocks are at most ``Fill.depth`` tokens (the fan-out's choice: an answer must come within one
+verification).
+
+``stop`` (asked between drafting rounds): a newer fill has arrived, give up.  Blocks are drawn from the
+speculator's own random streams, independent of the target's draws; a block is only used for the exact sequence
+it was drafted from (:meth:`cluster.core.draft.cache.SpeculationCache.take`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.core.draft.cache import Entry, candidates
+from cluster.core.draft.programs import DraftBlock, DraftSpec
+from cluster.core.draft.side import DraftSide
+from cluster.core.sampling import Rng, SamplingParams, derive_seed
+
+
+@dataclass
+class FillItem:
+    """One request's step: ``block`` (being verified) was drafted from ``seq`` (committed) with ``spec``."""
+
+    rid: str
+    seq: list[int]
+    sampling: SamplingParams
+    seed: int
+    spec: DraftSpec
+    block: list[int]
+    limit: int                   # the step's draft length (the next step asks the same)
+    budget: int                  # tokens the request may still emit this step
+    alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
+
+
+@dataclass
+class Fill:
+    """What the speculator is asked to draft ahead; ``keys``: the branches per request, best first
+    (:class:`cluster.core.draft.cache.FanOut`); ``released``: requests that ended since the last fill."""
+
+    id: int
+    items: list[FillItem]
+    keys: list[tuple[str, int, int]]
+    released: list[str] = field(default_factory=list)
+    depth: int = 64                         # draft tokens per branch block at most
+
+
+@dataclass
+class Reply:
+    """The blocks drafted for fill ``id``, per request; ``rows`` branches drafted, ``tokens`` draft tokens."""
+
+    id: int
+    entries: dict[str, list[Entry]]
+    rows: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0                  # the speculator's seconds on this fill (set by its host)
+
+
+def _branch_rid(rid: str, i: int) -> str:
+    return f"{rid}|{i}"
+
+
+class Speculator:
+    """See the module docstring.  ``members``: drafter name -> handle (its own copies); ``alts``: next-best tokens
+    recorded per position of the blocks it drafts (the next fill's rejection bets when one is used)."""
+
+    def __init__(self, members: dict, *, rng_factory=Rng, alts: int = 1):
+        self.side = DraftSide(members, rng_factory=rng_factory, sampled=True, alts=alts)
+        self._at: dict[str, list[int]] = {}       # branch id -> the committed sequence it was moved to
+        self._branches: dict[str, set[str]] = {}  # rid -> its branch ids
+
+    def fill(self, fill: Fill, stop=None) -> Reply:
+        for rid in fill.released:
+            self.release(rid)
+        items = [it for it in fill.items if it.block]
+        if not items or not fill.keys:
+            return Reply(fill.id, {})
+        per = max(1, len(fill.keys) // len(items))
+        runs, where = [], []
+        for it in items:
+            for i, br in enumerate(candidates(it.block, it.alts, fill.keys[:per])):
+                nxt = min(it.limit, fill.depth, it.budget - br.pos - 2)   # the next step's limit on this outcome
+                if nxt >= 1:
+                    bonus = br.token is None                             # one token more: the bet, then the block
+                    runs.append((self._move(it, i, br.start(it.seq, it.block)), it.spec, nxt + bonus,
+                                 it.budget - br.pos - 1 + bonus))
+                    where.append((it, br))
+        blocks = self.side.draft_batch(runs, stop=stop) if runs else []
+        out: dict[str, list[Entry]] = {}
+        tokens = 0
+        for (it, br), block in zip(where, blocks):
+            if not isinstance(block, DraftBlock) or len(block.tokens) < 1 + (br.token is None):
+                continue
+            expect = br.start(it.seq, it.block)
+            if br.token is None:
+                expect, block = expect + block.tokens[:1], block.tail(1, len(block.tokens) - 1)
+            out.setdefault(it.rid, []).append(Entry(expect, it.spec, block, br.key))
+            tokens += len(block.tokens)
+        return Reply(fill.id, out, len(runs), tokens)
+
+    def release(self, rid: str) -> None:
+        for prid in self._branches.pop(rid, ()):
+            self.side.release(prid)
+            self._at.pop(prid, None)
+
+    def active_requests(self) -> list[str]:
+        return list(self._branches)
+
+    def _move(self, it: FillItem, i: int, seq: list[int]) -> str:
+        """Branch ``i`` of ``it``'s request, now at committed sequence ``seq`` (prefilled the first time)."""
+        prid = _branch_rid(it.rid, i)
+        at = self._at.get(prid)
+        if at is None:
+            self.side.prefill_batch([(prid, list(seq), it.sampling, derive_seed(it.seed, f"speculator-{i}"))])
+        else:
+            c = _common(at, seq)
+            self.side.rollback(prid, c)
+            self.side.extend(prid, list(seq[c:]))
+        self._at[prid] = list(seq)
+        self._branches.setdefault(it.rid, set()).add(prid)
+        return prid
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -1,0 +1,236 @@
+"""Near drafter, far speculator (cluster.core.draft.{cache,speculator,near_far}): literal branches and fan-out,
+exact output laws with the speculation cache, alone and batched, and greedy outputs equal to plain decoding."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.core.draft.cache import Branch, Entry, FanOut, SpeculationCache, candidates
+from cluster.core.draft.near_far import LocalLink, NearFarSide
+from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
+from cluster.core.draft.side import DraftSide
+from cluster.core.draft.speculator import Fill, FillItem, Speculator
+from cluster.core.sampling import SamplingParams
+from cluster.engine.request import GenerationRequest
+from cluster.strategies import resolve_options
+from tests.support.exact import (
+    TabularModel,
+    VocabTokenizer,
+    enumerate_outcomes,
+    local_engine,
+    max_abs_diff,
+    mixed_batch,
+    steps_law,
+    target_joint,
+)
+
+
+def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: int = 4, sampled: bool = True):
+    """A near-far draft side over ``drafters`` (near) and ``copies`` (the speculator's own drafters)."""
+    kw = {} if rng is None else dict(rng_factory=lambda s: rng)
+    spec = Speculator(copies, **kw)
+    return NearFarSide(DraftSide(drafters, **kw), LocalLink(spec, delay), fanout=FanOut(rows=rows), sampled=sampled)
+
+
+# -- literal branches ------------------------------------------------------------------------------
+def test_candidates_bet_on_the_drafters_next_best_tokens_and_its_own_bonus():
+    block, alts = [1, 2], [[2, 3], [0, 4]]              # the drafter's next-best tokens per position, best first
+    keys = [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0), ("bonus", -1, 1), ("reject", 1, 1),
+            ("reject", 2, 0), ("reject", 0, 2)]          # no bonus of rank 1; past the block; beyond the alts
+    got = candidates(block, alts, keys)
+    assert got == [Branch("bonus", 2, 0, None), Branch("reject", 0, 0, 2), Branch("reject", 1, 0, 0),
+                   Branch("reject", 1, 1, 4)]
+    assert got[0].start([7], block) == [7, 1, 2] and got[2].start([7], block) == [7, 1, 0]
+    assert got[0].key == ("bonus", -1, 0) and got[2].key == ("reject", 1, 0)
+    assert candidates(block, None, keys) == got[:1]      # no alternatives recorded (Max-Gram): the bonus only
+
+
+def test_blocks_record_the_drafters_next_best_tokens():
+    d = TabularModel("d", 5, seed=3)
+    side = DraftSide({"d": d}, alts=2)
+    side.prefill_batch([("r", [0, 1], SamplingParams(0.0), 0)])
+    (block,) = side.draft_batch([("r", DraftSpec("propose", ("d",)), 3, 10)])
+    seq = [0, 1]
+    for tok, alt in zip(block.tokens, block.alts):
+        order = d.logits(seq).argsort(descending=True).tolist()
+        assert tok == order[0] and alt == order[1:3]
+        seq.append(tok)
+    assert block.tail(1, 1).alts == block.alts[1:2]
+
+
+def test_fanout_ranks_by_hit_rate_and_follows_the_spare_core():
+    f = FanOut(rows=3, depth=4, max_rows=4, max_depth=4, width=1)
+    assert f.keys(2) == [("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)]     # ties: bonus, later positions
+    for _ in range(5):
+        f.outcome([("bonus", -1, 0), ("reject", 1, 0), ("reject", 0, 0)], ("reject", 0, 0))
+    assert f.keys(2)[0] == ("reject", 0, 0)
+    f.answered(False)                                    # late: fewer rows first (down to 2) ...
+    assert (f.rows, f.depth) == (2, 4) and len(f.keys(2)) == 2
+    f.answered(False)                                    # ... then shallower blocks
+    assert (f.rows, f.depth) == (2, 3)
+    for _ in range(FanOut.RAISE_AFTER):                  # in time: deeper first, then more rows
+        f.answered(True)
+    assert (f.rows, f.depth) == (2, 4)
+    for _ in range(FanOut.RAISE_AFTER):
+        f.answered(True)
+    assert (f.rows, f.depth) == (3, 4)
+    f.rows, f.depth = 2, f.min_depth
+    f.answered(False)
+    assert (f.rows, f.depth) == (1, f.min_depth)
+
+
+def test_the_cache_gives_a_block_only_for_its_exact_prefix_and_spec():
+    spec, other = DraftSpec("propose", ("d",)), DraftSpec("propose", ("e",))
+    cache = SpeculationCache()
+    e1, e2 = Entry([1, 2, 3], spec, DraftBlock([4, 5]), ("bonus", -1, 0)), Entry([1, 4], spec, DraftBlock([6]),
+                                                                                 ("reject", 1, 0))
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 2], spec) == (None, [e1, e2])             # no entry for this prefix; all gone
+    assert cache.take("r", [1, 4], spec) == (None, [])
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 4], other)[0] is None
+    cache.put("r", [e1, e2])
+    assert cache.take("r", [1, 4], spec)[0] is e2
+
+
+def test_the_speculator_drafts_each_branch_from_its_own_prefix():
+    d = TabularModel("d", 5, seed=3)
+    spec_ = Speculator({"d": TabularModel("d", 5, seed=3)})
+    spec = DraftSpec("propose", ("d",))
+    greedy = SamplingParams(0.0)
+
+    def argmax_path(seq, n):
+        out = []
+        for _ in range(n):
+            out.append(int(d.logits(seq + out).argmax()))
+        return out
+    reply = spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10, [[4], [0]])],
+                            [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)], depth=2))
+    entries = reply.entries["r"]
+    assert reply.rows == 3 and [e.key for e in entries] == [("bonus", -1, 0), ("reject", 0, 0), ("reject", 1, 0)]
+    bonus = argmax_path([0, 1, 2, 3], 3)                 # its bet is the drafter's own next token after the block
+    assert entries[0].expect == [0, 1, 2, 3, bonus[0]] and entries[0].block.tokens == bonus[1:]
+    assert entries[1].expect == [0, 1, 4] and entries[2].expect == [0, 1, 2, 0]
+    for e in entries:                                    # greedy: the drafter's own argmax path from the branch
+        assert e.block.tokens == argmax_path(list(e.expect), 2) and len(e.block.alts) == 2
+    # the next fill moves the same branches (rollback + extend, no new prefill), and release frees them
+    spec_.fill(Fill(2, [FillItem("r", [0, 1, 2, 3, 4], greedy, 0, spec, [1], 2, 8)], [("bonus", -1, 0)]))
+    spec_.release("r")
+    assert not spec_.side.active_requests() and not spec_.side.members["d"].seqs
+
+
+# -- exact laws ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opts,sampling,delay", [
+    (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
+    (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
+    (dict(drafter="d", k=1), SamplingParams(1.0), 1),                      # every answer late: near only
+])
+def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, delay):
+    """Every draw enumerated, the speculator's branches included: whichever branch the target's outcome picks
+    (or none), the first three tokens follow the target exactly."""
+    target = TabularModel("target", 3, seed=5)
+    d = TabularModel("d", 3, seed=6, zeros=True)
+
+    def side(drafters, rng):
+        copy = TabularModel("d", 3, seed=6, zeros=True, rng=rng)
+        return near_far(drafters, {"d": copy}, rng=rng, delay=delay, rows=2)
+
+    got = steps_law("speculative", resolve_options("speculative", opts, {}), {"target": target, "d": d}, "target",
+                    [0, 1], sampling, 3, 4, side=side)
+    assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+
+
+def test_the_speculation_cache_batched_is_exact_per_request():
+    """A sampled request decoded with a greedy one by the engine through the near-far side: the sampled one's law
+    is the target's, the greedy one is the target's argmax path (its draws enumerated alongside)."""
+    target, d = TabularModel("target", 3, seed=21), TabularModel("d", 3, seed=22, zeros=True)
+    copy = TabularModel("d", 3, seed=22, zeros=True)
+    sampling, greedy = SamplingParams(1.0), SamplingParams(0.0)
+    want_greedy = target_joint(target, [2, 1], 3, greedy)
+    sides = []
+
+    def run(rng):                  # a fresh side per path: its fan-out learns, and a replay must draw the same
+        d.rng = copy.rng = rng
+        sides.append(near_far({"d": d}, {"d": copy}, rng=rng, rows=2))
+        engine = local_engine({"target": target, "d": d, DRAFTS: sides[-1]}, VocabTokenizer(3),
+                              rng_factory=lambda s: rng)
+        return mixed_batch(engine, sampling, want_greedy)
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target_joint(target, [0], 3, sampling)) < 1e-9
+    assert sum(sum(s.counters.hits.values()) for s in sides) > 0 and all(s.counters.fills for s in sides)
+    side = sides[-1]
+    assert not target.seqs and not d.seqs and not side.active_requests()
+
+
+# -- greedy equality end to end --------------------------------------------------------------------
+@pytest.mark.parametrize("seed_d", [9, 40])
+def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d):
+    """A drafter equal to the target (seed 9: every bonus bet comes true) and one that is not (seed 40:
+    rejections, some of them guessed): greedy outputs equal the target's, batched, and hits are counted by kind."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=seed_d)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=seed_d)}, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
+    reqs = [dict(prompt_ids=p, max_new_tokens=30, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
+            for i, p in enumerate(([1, 2], [3], [4, 0, 1]))]
+    want = [r.token_ids for r in plain.generate_many([GenerationRequest(strategy="autoregressive", **q)
+                                                      for q in reqs])]
+    got = engine.generate_many([GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **q)
+                                for q in reqs])
+    assert [r.token_ids for r in got] == want
+    c = side.counters
+    assert c.steps > 0 and c.fills > 0 and c.rows >= c.fills
+    if seed_d == 9:
+        assert c.hits["bonus"] >= c.steps - 2 * len(reqs) and c.hits["reject"] == 0
+    else:
+        assert c.hits["reject"] + c.hits["bonus"] > 0 and c.wasted > 0
+    assert not side.active_requests() and not side.link.speculator.active_requests()
+    assert not d.seqs and not side.link.speculator.side.members["d"].seqs
+
+
+def test_a_dead_speculator_leaves_near_drafting():
+    """The link goes down: every block is drafted near, outputs unchanged, nothing is sent."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=9)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=9)}, sampled=False)
+    side.link.up = False
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=20, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **req))
+    assert got.token_ids == want and side.counters.fills == 0 and not side.counters.hits
+
+
+def test_a_speculator_that_is_mostly_late_is_asked_only_now_and_then():
+    """Most answers late at the least fan-out: the near side backs off to one fill every PROBE_EVERY steps (its
+    drafting would only take the coordinator's core); answers in time again bring it back."""
+    f = FanOut(rows=1, depth=2, min_rows=1, min_depth=2)
+    assert all(f.ask() for _ in range(3))
+    for late in [True, True, False] * 6:                 # two of three late: the share in time falls below half
+        f.answered(not late)
+    assert f.on_time < FanOut.BACK_OFF_BELOW
+    asked = [f.ask() for _ in range(3 * FanOut.PROBE_EVERY)]
+    assert sum(asked) == 3 and asked[FanOut.PROBE_EVERY - 1]
+    for _ in range(8):
+        f.answered(True)
+    assert all(f.ask() for _ in range(3))
+    wide = FanOut(rows=3, depth=4)                       # not at the least fan-out: never backs off
+    for _ in range(2):
+        wide.answered(False)
+    assert all(wide.ask() for _ in range(20))
+
+
+def test_late_answers_shrink_the_fan_out_and_outputs_stay_exact():
+    """Every answer arrives one step late (dropped: it was for the step before): the fan-out falls to its least,
+    the side backs off, nothing from the cache is used, and greedy outputs equal plain decoding."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=40)}, delay=1, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=60, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 2}, **req))
+    c = side.counters
+    assert got.token_ids == want and not c.hits and c.late > 0 and c.wasted > 0
+    assert (side.fanout.rows, side.fanout.depth) == (side.fanout.min_rows, side.fanout.min_depth)
+    assert c.late_fills < c.steps - 2                    # backed off: not every step was asked
