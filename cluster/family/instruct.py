@@ -88,8 +88,10 @@ def _answer(node: ast.AST, lines: list[str]) -> str:
     return text
 
 
-def pairs_from_source(text: str, source: str = "") -> list[Pair]:
-    """Every (request, answer) pair of the functions in Python source ``text``, in source order."""
+def function_sources(text: str) -> list[tuple[str, str, int]]:
+    """``(code, request, line)`` of every function of Python source ``text`` whose code stands alone as an
+    answer (:func:`_answer`), in source order; ``request`` is its docstring's or leading comment's first
+    paragraph, or '' where there is none fit to be a request."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -98,10 +100,15 @@ def pairs_from_source(text: str, source: str = "") -> list[Pair]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            request, answer = _request(node, lines), _answer(node, lines)
-            if request and answer:
-                out.append(Pair(request, answer, f"{source}:{node.lineno}"))
-    return sorted(out, key=lambda p: int(p.source.rsplit(":", 1)[1]))
+            answer = _answer(node, lines)
+            if answer:
+                out.append((answer, _request(node, lines), node.lineno))
+    return sorted(out, key=lambda f: f[2])
+
+
+def pairs_from_source(text: str, source: str = "") -> list[Pair]:
+    """Every (request, answer) pair of the functions in Python source ``text``, in source order."""
+    return [Pair(request, answer, f"{source}:{line}") for answer, request, line in function_sources(text) if request]
 
 
 def _pairs(files: Iterable[Path], root: Path | None, held: bool, max_chars: int | None = None) -> list[Pair]:
