@@ -19,9 +19,7 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
    (:mod:`cluster.family.instruct`: a train-split function's docstring or
    leading comment as a served chat request, the function as the answer, loss
    on the answer), so the target answers a chat request with code (v3), and
-   ``edit_rows`` rows of edit pairs (:mod:`cluster.family.edits`: a function
-   and a small change asked for, the changed function as the answer), so it
-   copies the code it edits and a predicted output of it is accepted (v4);
+   ``edit_rows`` rows of edit pairs (:mod:`cluster.family.edits`);
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
    (KL to the target's soft labels mixed with a little CE, one shared target
    forward per batch; every batch holds the same share of instruction rows).
@@ -40,8 +38,8 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
    write ``manifest.json``.
 
-Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v4`` or
-``~/.cache/specserve/zoo-v4``)::
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v<N>`` or
+``~/.cache/specserve/zoo-v<N>``, N the zoo version)::
 
     cache_dir/
       manifest.json           # written last; its presence marks a complete build
@@ -74,20 +72,11 @@ from cluster.family.cache import _build_lock, load_manifest
 from cluster.family.chateval import evaluate_generation
 from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
 from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
-from cluster.family.presets import EOT, PRESETS, ZooConfig
+from cluster.family.presets import EOT, ZooConfig, resolve_preset
 from cluster.family.tokenizer import _encode_stream, train_tokenizer
 from cluster.family.train import _distill, _init_from_target, _make_model, _train_target
 
 __all__ = ["build_zoo"]
-
-
-def _resolve_config(preset: str | ZooConfig) -> ZooConfig:
-    if isinstance(preset, ZooConfig):
-        return preset
-    try:
-        return PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown zoo preset {preset!r}; choose from {sorted(PRESETS)}") from None
 
 
 def build_zoo(
@@ -107,7 +96,7 @@ def build_zoo(
     real family, a few minutes on 2 CPU cores), ``"tiny"`` (seconds; for tests)
     or a :class:`ZooConfig`.  Prints a summary table when it builds.
     """
-    cfg = _resolve_config(preset)
+    cfg = resolve_preset(preset)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fp = cfg.fingerprint(seed)
     with _build_lock(cache_dir):
@@ -172,8 +161,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
 
     # ---- models
     target = _make_model(cfg.target, cfg, eot_id, seed)
-    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat,
-                                           edit_stream)}
+    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat, edit_stream)}
     drafters = {}
     init_info = {}
     for k, spec in enumerate(cfg.drafters):
@@ -288,8 +276,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
         },
         "instruct": {"source": "docstrings / leading comments of train-split functions -> the function",
                      "pairs": len(pairs), "tokens": int(len(chat[0])) if chat is not None else 0},
-        "edit_pairs": {"source": "train-split functions with a mechanical change asked for -> the changed function",
-                       "pairs": len(edit_pairs), "tokens": int(len(edit_stream[0])) if edit_stream is not None else 0},
+        "edit_pairs": {"pairs": len(edit_pairs), "tokens": int(len(edit_stream[0])) if edit_stream is not None else 0},
         **generation,
         "seq_len": cfg.seq_len,
         "param_ratio_target_to_smallest_drafter": round(ratio, 2),

@@ -169,3 +169,14 @@ PRESETS: dict[str, ZooConfig] = {
         chat_eval_tokens=8,
     ),
 }
+
+
+def resolve_preset(preset: str | ZooConfig) -> ZooConfig:
+    """``preset`` itself if it is a :class:`ZooConfig`, else the named one of :data:`PRESETS` (a clear error
+    naming the choices for an unknown name)."""
+    if isinstance(preset, ZooConfig):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown zoo preset {preset!r}; choose from {sorted(PRESETS)}") from None
