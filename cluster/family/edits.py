@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import cluster.family.corpus as corpus
-from cluster.family.instruct import function_sources
+from cluster.family.instruct import function_sources, split_sources
 
 #: the longest function (characters) an edit pair is made from: the full preset's rows are 256 tokens and
 #: a pair holds the function twice (about 3.3 characters a token on the standard library)
@@ -167,15 +166,8 @@ def edits_from_source(text: str, source: str, rng: random.Random) -> list[EditPa
 
 
 def _edits(files: Iterable[Path], root: Path | None, held: bool, seed: int, max_chars: int | None) -> list[EditPair]:
-    rng, out, chars = random.Random(seed), [], 0
-    for f in files:
-        if max_chars is not None and chars >= max_chars:
-            break
-        if corpus.is_heldout(f, root=root) == held:
-            text = corpus.read_file(f)
-            chars += len(text)
-            out.extend(edits_from_source(text, corpus._rel_key(f, root), rng))
-    return out
+    rng = random.Random(seed)
+    return [p for text, key in split_sources(files, root, held, max_chars) for p in edits_from_source(text, key, rng)]
 
 
 def train_edits(files: Iterable[Path], root: Path | None = None, seed: int = 0,

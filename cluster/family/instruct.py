@@ -19,7 +19,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -111,16 +111,22 @@ def pairs_from_source(text: str, source: str = "") -> list[Pair]:
     return [Pair(request, answer, f"{source}:{line}") for answer, request, line in function_sources(text) if request]
 
 
-def _pairs(files: Iterable[Path], root: Path | None, held: bool, max_chars: int | None = None) -> list[Pair]:
-    out, chars = [], 0
+def split_sources(files: Iterable[Path], root: Path | None, held: bool,
+                  max_chars: int | None = None) -> Iterator[tuple[str, str]]:
+    """``(text, stdlib-relative path)`` of the files among ``files`` on one side of the split (held-out or
+    training), read until ``max_chars`` characters if given."""
+    chars = 0
     for f in files:
         if max_chars is not None and chars >= max_chars:
             break
         if corpus.is_heldout(f, root=root) == held:
             text = corpus.read_file(f)
             chars += len(text)
-            out.extend(pairs_from_source(text, corpus._rel_key(f, root)))
-    return out
+            yield text, corpus._rel_key(f, root)
+
+
+def _pairs(files: Iterable[Path], root: Path | None, held: bool, max_chars: int | None = None) -> list[Pair]:
+    return [p for text, key in split_sources(files, root, held, max_chars) for p in pairs_from_source(text, key)]
 
 
 def train_pairs(files: Iterable[Path], root: Path | None = None, max_chars: int | None = None) -> list[Pair]:
