@@ -1,13 +1,14 @@
-"""Edit workload: predicted outputs (OpenAI's ``prediction``) on held-out source files with a small change asked for.
+"""Edit workload: predicted outputs (OpenAI's ``prediction``) on held-out functions with a small change asked for.
 
-Each case is a snippet of a held-out standard-library file (never trained on; :func:`cluster.family.corpus.heldout_prompts`
-cuts it at line boundaries) written out as the file before an edit, then the header of the file after a small change;
-the model writes the file after it (:func:`edit_cases`).  Two predictions, as a client would send them:
+Each case is a chat request as a client sends one (:func:`cluster.family.edits.heldout_edits`): a function of a
+held-out standard-library file (never trained on) after a sentence asking for one small change (rename a
+variable or the function, change a number, add a docstring or an argument), rendered with the family's chat
+template; the model answers with the function changed.  Two predictions, as a client would send them:
 
-* ``file``: the original snippet (OpenAI's predicted-outputs case: "regenerating a file with a small change").
-  It helps only as far as the target's output follows the file;
-* ``regenerate``: the target's own earlier answer to the same prompt with a small edit (two tokens replaced a third
-  of the way in): the case where the output does follow the prediction except around a change, e.g. a client
+* ``file``: the original function (OpenAI's predicted-outputs case: "regenerating a file with a small change").
+  It helps as far as the target's answer copies the function it is shown;
+* ``regenerate``: the target's own earlier answer to the same request with a small edit (two tokens replaced a
+  third of the way in): the case where the output follows the prediction except around a change, e.g. a client
   asking again for an answer it has, with one thing changed.
 
 Rows: autoregressive, and each drafting strategy (speculative with the config's drafter, mag, cs_drafting) without
@@ -15,7 +16,8 @@ a prediction and with each; all greedy on the same cases, interleaved case by ca
 so the ratios are comparable on a noisy machine.  Columns: tok/s, its ratio to autoregressive and to the same
 strategy without a prediction, target calls per token, the prediction's accepted / rejected draft tokens (OpenAI's
 ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``) and how many outputs equal autoregressive
-decoding's token for token (a prediction changes what is drafted, never what is emitted).
+decoding's token for token (a prediction changes what is drafted, never what is emitted); the title says how
+many autoregressive answers are the requested change exactly.
 """
 from __future__ import annotations
 
@@ -29,32 +31,21 @@ from cluster.bench.report import Row, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
-from cluster.family.corpus import heldout_prompts
+from cluster.family.corpus import stdlib_files
+from cluster.family.edits import heldout_edits
+from cluster.family.instruct import chat_prompt
 from cluster.local import build_engine
 
-SNIPPET_TOKENS = 100      # the family is trained on 256-token windows: snippet + its edited copy fit in one
-CHANGES = ("rename the first variable to value", "add a type hint to the first argument",
-           "fix the spelling in the first comment", "make the first string a raw string")
 GREEDY = SamplingParams(0.0)
+SPARE_TOKENS = 16          # generated beyond the changed function's length, if the model does not stop
 
 
-def edit_cases(tokenizer, n: int, snippet_tokens: int = SNIPPET_TOKENS) -> list[dict]:
-    """``n`` cases ``{"prompt", "prediction", "source", "change"}`` from the held-out files.
-
-    The prompt ends with the header line of the edited file (``...after the edit (change):``) and the model
-    writes the file from its first line break on; the prediction is that text as the original file has it (the
-    line break and the snippet).  The prompt never ends with a line break itself: the family's byte-level BPE
-    merges a line break with the next line's indentation (``"\n        "`` is one token), so a prompt cut
-    after one ends in a token the model never saw before an indented line and it writes degenerate text
-    (``\"\"\"`` then ``#`` lines, measured on every case of the previous workload, which ended each prompt
-    with the snippet's first line and its line break)."""
-    out = []
-    for i, p in enumerate(heldout_prompts(tokenizer, n, prompt_tokens=snippet_tokens, continuation_tokens=8, seed=33)):
-        change = CHANGES[i % len(CHANGES)]
-        snippet = p["prompt"] if p["prompt"].endswith("\n") else p["prompt"] + "\n"
-        prompt = f"# {p['source']}, before the edit:\n{snippet}# {p['source']}, after the edit ({change}):"
-        out.append({"prompt": prompt, "prediction": "\n" + snippet, "source": p["source"], "change": change})
-    return out
+def edit_cases(n: int) -> list[dict]:
+    """``n`` cases ``{"prompt", "prediction", "answer", "source", "change"}``: the chat prompt (one user message,
+    the assistant's turn opened), the original function (the prediction a client sends), the function with the
+    change made (what a model that edits writes)."""
+    return [{"prompt": chat_prompt(e.request), "prediction": e.original, "answer": e.answer, "source": e.source,
+             "change": e.change} for e in heldout_edits(stdlib_files(), n)]
 
 
 def regenerated(reference: list[int], tokenizer) -> list[int]:
@@ -66,7 +57,7 @@ def regenerated(reference: list[int], tokenizer) -> list[int]:
 def run(args, cfg) -> int:
     engine = build_engine(cfg)
     n = check_int("prompts", args.prompts, 1, 64)
-    cases = edit_cases(engine.tokenizer, n)
+    cases = edit_cases(n)
     runs = []                                  # (row name, strategy, options, prediction: None, file, regenerate)
     for name, strategy, options in drafting_rows(cfg, engine):
         runs.append((name, strategy, options, None))
@@ -75,15 +66,15 @@ def run(args, cfg) -> int:
 
     def generate(case, strategy, options, prediction, max_new):
         return engine.generate(GenerationRequest(prompt=case["prompt"], max_new_tokens=max_new, sampling=GREEDY,
-                                                 seed=0, strategy=strategy, options=options, ignore_eos=True,
-                                                 prediction=prediction))
+                                                 seed=0, strategy=strategy, options=options, prediction=prediction))
 
     for _, strategy, options, kind in runs:                 # warm-up (not timed)
         generate(cases[0], strategy, options, kind and cases[0]["prediction"], 8)
     rows = {name: Row(name) for name, *_ in runs}
     counts = {name: {"accepted": 0, "drafted": 0, "equal": 0} for name in rows}
+    edited = 0                                             # autoregressive answers that are the change exactly
     for case in tqdm(cases, desc="bench edit", unit="case"):
-        max_new = len(engine.tokenizer.encode(case["prediction"])) + 8      # the edited snippet and a little more
+        max_new = len(engine.tokenizer.encode(case["answer"])) + SPARE_TOKENS
         reference = None
         for name, strategy, options, kind in runs:
             prediction = None if kind is None else case["prediction"] if kind == "file" else \
@@ -91,7 +82,9 @@ def run(args, cfg) -> int:
             t0 = time.perf_counter()
             res = generate(case, strategy, options, prediction, max_new)
             rows[name].record(res.stats, time.perf_counter() - t0)
-            reference = res.token_ids if reference is None else reference   # the first run is autoregressive
+            if reference is None:                                           # the first run is autoregressive
+                reference = res.token_ids
+                edited += engine.tokenizer.decode(res.token_ids).strip() == case["answer"].strip()
             c = counts[name]
             c["accepted"] += res.stats.prediction_accepted
             c["drafted"] += res.stats.prediction_drafted
@@ -107,9 +100,10 @@ def run(args, cfg) -> int:
         d.update(accepted_prediction=c["accepted"], rejected_prediction=c["drafted"] - c["accepted"],
                  greedy_equal_ar=f"{c['equal']}/{len(cases)}")
         table.append(d)
-    print_table(table, f"edit: {len(cases)} held-out snippets of ~{SNIPPET_TOKENS} tokens re-written with a small "
-                       f"change, greedy; prediction file = the original snippet, regenerate = the target's own answer "
-                       f"with two tokens changed; config {cfg.source}")
+    print_table(table, f"edit: {len(cases)} held-out functions with a small change asked for (chat), greedy; "
+                       f"{edited}/{len(cases)} autoregressive answers are the change exactly; prediction file = the "
+                       f"original function, regenerate = the target's own answer with two tokens changed; "
+                       f"config {cfg.source}")
     write_results(table, Path(args.out), "bench_edit")
     print(f"results written to {Path(args.out) / 'bench_edit'}.{{csv,json}}")
     return 0 if all(c["equal"] == len(cases) for c in counts.values()) else 1

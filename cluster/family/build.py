@@ -18,7 +18,8 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
    batches also hold ``instruct_rows`` rows of instruction pairs
    (:mod:`cluster.family.instruct`: a train-split function's docstring or
    leading comment as a served chat request, the function as the answer, loss
-   on the answer), so the target answers a chat request with code (v3);
+   on the answer), so the target answers a chat request with code (v3), and
+   ``edit_rows`` rows of edit pairs (:mod:`cluster.family.edits`);
 3. distil ``drafter-large`` and ``drafter-small`` from the trained target
    (KL to the target's soft labels mixed with a little CE, one shared target
    forward per batch; every batch holds the same share of instruction rows).
@@ -37,8 +38,8 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 5. save each model as a Hugging Face checkpoint (safetensors + tokenizer) and
    write ``manifest.json``.
 
-Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v3`` or
-``~/.cache/specserve/zoo-v3``)::
+Cache layout (``cache_dir`` defaults to ``$SPECSERVE_CACHE/zoo-v<N>`` or
+``~/.cache/specserve/zoo-v<N>``, N the zoo version)::
 
     cache_dir/
       manifest.json           # written last; its presence marks a complete build
@@ -64,26 +65,18 @@ from pathlib import Path
 import torch
 
 import cluster.family.corpus as corpus
+import cluster.family.edits as edits
 import cluster.family.instruct as instruct
 from cluster.config.paths import ZOO_VERSION, default_cache_dir
 from cluster.family.cache import _build_lock, load_manifest
 from cluster.family.chateval import evaluate_generation
 from cluster.family.common import _bar, _n_params, _quiet_transformers, _torch_threads
 from cluster.family.evaluate import _versions, evaluate, format_summary, measure_latency
-from cluster.family.presets import EOT, PRESETS, ZooConfig
+from cluster.family.presets import EOT, ZooConfig, resolve_preset
 from cluster.family.tokenizer import _encode_stream, train_tokenizer
 from cluster.family.train import _distill, _init_from_target, _make_model, _train_target
 
 __all__ = ["build_zoo"]
-
-
-def _resolve_config(preset: str | ZooConfig) -> ZooConfig:
-    if isinstance(preset, ZooConfig):
-        return preset
-    try:
-        return PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown zoo preset {preset!r}; choose from {sorted(PRESETS)}") from None
 
 
 def build_zoo(
@@ -103,7 +96,7 @@ def build_zoo(
     real family, a few minutes on 2 CPU cores), ``"tiny"`` (seconds; for tests)
     or a :class:`ZooConfig`.  Prints a summary table when it builds.
     """
-    cfg = _resolve_config(preset)
+    cfg = resolve_preset(preset)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fp = cfg.fingerprint(seed)
     with _build_lock(cache_dir):
@@ -163,10 +156,12 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
 
     pairs = instruct.train_pairs(train_files, max_chars=cfg.max_train_chars) if cfg.instruct_rows else []
     chat = instruct.chat_stream(tokenizer, pairs, eot_id) if pairs else None
+    edit_pairs = edits.train_edits(train_files, seed=seed, max_chars=cfg.max_train_chars) if cfg.edit_rows else []
+    edit_stream = instruct.chat_stream(tokenizer, edit_pairs, eot_id) if edit_pairs else None
 
     # ---- models
     target = _make_model(cfg.target, cfg, eot_id, seed)
-    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat)}
+    train_info = {"target": _train_target(target, train_stream, cfg, seed + 1, progress, threads, chat, edit_stream)}
     drafters = {}
     init_info = {}
     for k, spec in enumerate(cfg.drafters):
@@ -176,7 +171,8 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
                 raise ValueError(f"{spec.name}: init_from_target needs hidden == target hidden")
             init_info[spec.name] = {"copied_target_layers": _init_from_target(d, target)}
         drafters[spec.name] = d
-    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads, chat))
+    train_info.update(_distill(target, drafters, train_stream, cfg, seed + 2, progress, threads, chat,
+                                edit_stream))
     models = {"target": target, **drafters}
     specs = {"target": cfg.target, **{s.name: s for s in cfg.drafters}}
 
@@ -280,6 +276,7 @@ def _build_into(out: Path, cfg: ZooConfig, seed: int, fingerprint: str, progress
         },
         "instruct": {"source": "docstrings / leading comments of train-split functions -> the function",
                      "pairs": len(pairs), "tokens": int(len(chat[0])) if chat is not None else 0},
+        "edit_pairs": {"pairs": len(edit_pairs), "tokens": int(len(edit_stream[0])) if edit_stream is not None else 0},
         **generation,
         "seq_len": cfg.seq_len,
         "param_ratio_target_to_smallest_drafter": round(ratio, 2),

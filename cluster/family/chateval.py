@@ -4,6 +4,10 @@ request with code, and how far would each drafter carry greedy speculative decod
 * **chat**: held-out requests (docstrings of held-out functions, :func:`cluster.family.instruct.heldout_pairs`)
   rendered as served chat prompts and answered greedily by the target until ``<|endoftext|>`` or a token cap;
   an answer *parses* when ``ast.parse`` accepts it.
+* **edit**: held-out edit requests (a held-out function and a small change,
+  :func:`cluster.family.edits.heldout_edits`) answered greedily: how many answers are the changed function
+  exactly, and how much of it they hold (``difflib`` ratio of the token sequences, mean over requests): a
+  predicted output of the original function is accepted about as far as the answer follows it.
 * **speculative**: greedy speculative decoding with a fixed draft length ``k`` (Leviathan et al., *Fast
   Inference from Transformers via Speculative Decoding*, Algorithm 1 at temperature 0) accepts a drafter's
   token exactly when it equals the target's greedy token, and as long as drafts are accepted the drafter
@@ -15,10 +19,12 @@ request with code, and how far would each drafter carry greedy speculative decod
 from __future__ import annotations
 
 import ast
+import difflib
 
 import torch
 
 import cluster.family.corpus as corpus
+from cluster.family.edits import heldout_edits
 from cluster.family.instruct import chat_prompt, heldout_pairs
 
 SPEC_K = 4
@@ -81,6 +87,22 @@ def _spec_table(drafters: dict, runs: list[tuple[list[int], list[int]]], k: int)
     return out
 
 
+def _edit_eval(target, tokenizer, files, cfg, eot_id: int, enc) -> dict:
+    cases = heldout_edits(files, cfg.edit_eval_requests)
+    exact, ratio, examples = 0, 0.0, []
+    for e in cases:
+        want = enc(e.answer)
+        ids = greedy(target, enc(chat_prompt(e.request)), len(want) + 16, eot_id)
+        exact += ids == want
+        ratio += difflib.SequenceMatcher(None, ids, want, autojunk=False).ratio()
+        if len(examples) < 2:
+            examples.append({"request": e.request, "answer": tokenizer.decode(ids), "source": e.source})
+    return {"requests": len(cases), "exact": exact, "token_ratio": round(ratio / max(1, len(cases)), 4),
+            "definition": "held-out functions with a mechanical change asked for (cluster.family.edits), greedy "
+                          "target answers: equal to the changed function, and difflib ratio of the token sequences",
+            "examples": examples}
+
+
 def evaluate_generation(models: dict, tokenizer, files, cfg, eot_id: int, seed: int = 0) -> dict:
     """The build's generation metrics (module docstring) for ``models`` (``target`` and drafters) on the
     held-out files among ``files``: ``{"chat": ..., "speculative": ...}``, ready for the manifest."""
@@ -102,7 +124,9 @@ def evaluate_generation(models: dict, tokenizer, files, cfg, eot_id: int, seed: 
     completions = corpus.heldout_prompts(tokenizer, cfg.chat_eval_requests, prompt_tokens=64, continuation_tokens=64,
                                          seed=seed)
     comp_runs = [(c["prompt_ids"], greedy(target, c["prompt_ids"], 64, eot_id)) for c in completions]
+    edit = _edit_eval(target, tokenizer, files, cfg, eot_id, enc) if cfg.edit_rows else None
     return {
+        **({"edit": edit} if edit is not None else {}),
         "chat": {"requests": len(pairs), "parsed": n_parse, "parse_rate": round(n_parse / max(1, len(pairs)), 4),
                  "stopped": n_stop, "max_new_tokens": cfg.chat_eval_tokens,
                  "definition": "held-out functions' docstrings as one-user-message chat prompts, greedy target "

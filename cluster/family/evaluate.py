@@ -125,6 +125,10 @@ def format_summary(manifest: dict) -> str:
     if chat:
         lines.append(f"chat: {chat['parsed']}/{chat['requests']} greedy answers to held-out requests parse "
                      f"(ast.parse), {chat['stopped']} stopped before {chat['max_new_tokens']} tokens")
+    edit = manifest.get("edit")
+    if edit:
+        lines.append(f"edit: {edit['exact']}/{edit['requests']} greedy answers to held-out edit requests are the "
+                     f"changed function exactly; token ratio {edit['token_ratio']:.3f}")
     if spec:
         lines.append(f"greedy speculation, k = {spec['k']}: target calls per token (acceptance)")
         for name in spec["chat"]:

@@ -19,7 +19,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -88,8 +88,10 @@ def _answer(node: ast.AST, lines: list[str]) -> str:
     return text
 
 
-def pairs_from_source(text: str, source: str = "") -> list[Pair]:
-    """Every (request, answer) pair of the functions in Python source ``text``, in source order."""
+def function_sources(text: str) -> list[tuple[str, str, int]]:
+    """``(code, request, line)`` of every function of Python source ``text`` whose code stands alone as an
+    answer (:func:`_answer`), in source order; ``request`` is its docstring's or leading comment's first
+    paragraph, or '' where there is none fit to be a request."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -98,22 +100,33 @@ def pairs_from_source(text: str, source: str = "") -> list[Pair]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            request, answer = _request(node, lines), _answer(node, lines)
-            if request and answer:
-                out.append(Pair(request, answer, f"{source}:{node.lineno}"))
-    return sorted(out, key=lambda p: int(p.source.rsplit(":", 1)[1]))
+            answer = _answer(node, lines)
+            if answer:
+                out.append((answer, _request(node, lines), node.lineno))
+    return sorted(out, key=lambda f: f[2])
 
 
-def _pairs(files: Iterable[Path], root: Path | None, held: bool, max_chars: int | None = None) -> list[Pair]:
-    out, chars = [], 0
+def pairs_from_source(text: str, source: str = "") -> list[Pair]:
+    """Every (request, answer) pair of the functions in Python source ``text``, in source order."""
+    return [Pair(request, answer, f"{source}:{line}") for answer, request, line in function_sources(text) if request]
+
+
+def split_sources(files: Iterable[Path], root: Path | None, held: bool,
+                  max_chars: int | None = None) -> Iterator[tuple[str, str]]:
+    """``(text, stdlib-relative path)`` of the files among ``files`` on one side of the split (held-out or
+    training), read until ``max_chars`` characters if given."""
+    chars = 0
     for f in files:
         if max_chars is not None and chars >= max_chars:
             break
         if corpus.is_heldout(f, root=root) == held:
             text = corpus.read_file(f)
             chars += len(text)
-            out.extend(pairs_from_source(text, corpus._rel_key(f, root)))
-    return out
+            yield text, corpus._rel_key(f, root)
+
+
+def _pairs(files: Iterable[Path], root: Path | None, held: bool, max_chars: int | None = None) -> list[Pair]:
+    return [p for text, key in split_sources(files, root, held, max_chars) for p in pairs_from_source(text, key)]
 
 
 def train_pairs(files: Iterable[Path], root: Path | None = None, max_chars: int | None = None) -> list[Pair]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from cluster.config.paths import ZOO_VERSION
 
 EOT = "<|endoftext|>"
+#: fields added to :class:`ZooConfig` after v3, with their defaults (see :meth:`ZooConfig.fingerprint`)
+LATER_FIELDS = {"edit_rows": 0, "edit_eval_requests": 8}
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class ZooConfig:
     #: the target's last ``instruct_steps`` steps and of every distillation step (0: no instruction phase)
     instruct_rows: int = 0
     instruct_steps: int = 0
+    #: edit pairs (:mod:`cluster.family.edits`): rows added to the same batches as the instruction rows
+    edit_rows: int = 0
+    #: held-out edit requests answered greedily by the target in the build's edit evaluation
+    edit_eval_requests: int = 8
     #: held-out requests answered greedily by the target in the build's chat evaluation, and their token cap
     chat_eval_requests: int = 16
     chat_eval_tokens: int = 160
@@ -83,12 +89,16 @@ class ZooConfig:
     def __post_init__(self):
         if self.train_autocast not in ("float32", "bfloat16"):
             raise ValueError(f"train_autocast must be 'float32' or 'bfloat16', got {self.train_autocast!r}")
-        if not 0 <= self.instruct_steps <= self.target_steps or self.instruct_rows < 0:
+        if not 0 <= self.instruct_steps <= self.target_steps or self.instruct_rows < 0 or self.edit_rows < 0:
             raise ValueError(f"instruct_steps must be in [0, target_steps={self.target_steps}] and instruct_rows "
-                             f">= 0, got {self.instruct_steps} and {self.instruct_rows}")
+                             f">= 0 (edit_rows too), got {self.instruct_steps}, {self.instruct_rows} and {self.edit_rows}")
 
     def fingerprint(self, seed: int) -> str:
-        blob = json.dumps({"config": dataclasses.asdict(self), "seed": seed, "v": ZOO_VERSION}, sort_keys=True)
+        """The build's identity: config, seed and zoo version.  Fields added after a version's builds
+        (:data:`LATER_FIELDS`) count only when they differ from their default, so a cached build of a preset
+        that does not set them stays valid."""
+        config = {k: v for k, v in dataclasses.asdict(self).items() if LATER_FIELDS.get(k, object()) != v}
+        blob = json.dumps({"config": config, "seed": seed, "v": ZOO_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -153,7 +163,20 @@ PRESETS: dict[str, ZooConfig] = {
         embedding_lr_scale=10.0,
         instruct_rows=1,
         instruct_steps=2,
+        edit_rows=1,
+        edit_eval_requests=2,
         chat_eval_requests=2,
         chat_eval_tokens=8,
     ),
 }
+
+
+def resolve_preset(preset: str | ZooConfig) -> ZooConfig:
+    """``preset`` itself if it is a :class:`ZooConfig`, else the named one of :data:`PRESETS` (a clear error
+    naming the choices for an unknown name)."""
+    if isinstance(preset, ZooConfig):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown zoo preset {preset!r}; choose from {sorted(PRESETS)}") from None

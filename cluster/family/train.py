@@ -54,27 +54,29 @@ def _init_from_target(drafter, target) -> list[int]:
     return picks
 
 
-def _batches(stream, batch: int, seq_len: int, steps: int, seed: int, chat=None, chat_rows: int = 0,
-             chat_from: int = 0):
+def _batches(stream, batch: int, seq_len: int, steps: int, seed: int, chats=(), chat_from: int = 0):
     """``steps`` batches ``(x, w)``: ``batch`` random ``seq_len + 1`` windows of ``stream`` (seeded), and from step
-    ``chat_from`` on ``chat_rows`` more rows cut from ``chat`` = ``(ids, weights, starts)``
-    (:func:`cluster.family.instruct.chat_stream`) at the start of a pair.  ``w`` [rows, seq_len] weighs each
-    predicted token's loss: 1 on ``stream`` rows, the chat weights (answers only) on chat rows."""
+    ``chat_from`` on, for each ``(chat, rows)`` of ``chats``, ``rows`` more rows cut from ``chat`` =
+    ``(ids, weights, starts)`` (:func:`cluster.family.instruct.chat_stream`) at the start of a pair.  ``w``
+    [rows, seq_len] weighs each predicted token's loss: 1 on ``stream`` rows, the chat weights (answers only) on
+    chat rows."""
 
     gen = torch.Generator().manual_seed(seed)
     hi = len(stream) - seq_len - 1
     ar = torch.arange(seq_len + 1)
-    if chat is not None and chat_rows > 0:
-        c_ids, c_w, c_starts = chat
-        c_starts = c_starts[c_starts + seq_len + 1 <= len(c_ids)]
-        if len(c_starts) == 0:
-            raise RuntimeError("the instruction pairs are too few for one training row")
+    used = []
+    for (c_ids, c_w, c_starts), rows in chats:
+        if rows > 0:
+            c_starts = c_starts[c_starts + seq_len + 1 <= len(c_ids)]
+            if len(c_starts) == 0:
+                raise RuntimeError("the instruction pairs are too few for one training row")
+            used.append((c_ids, c_w, c_starts, rows))
     for step in range(steps):
         starts = torch.randint(0, hi, (batch,), generator=gen)
         x = stream[starts[:, None] + ar].long()
         w = torch.ones(batch, seq_len)
-        if chat is not None and chat_rows > 0 and step >= chat_from:
-            s = c_starts[torch.randint(0, len(c_starts), (chat_rows,), generator=gen)][:, None] + ar
+        for c_ids, c_w, c_starts, rows in used if step >= chat_from else ():
+            s = c_starts[torch.randint(0, len(c_starts), (rows,), generator=gen)][:, None] + ar
             x = torch.cat([x, c_ids[s].long()])
             w = torch.cat([w, c_w[s[:, 1:]]])
         yield x, w
@@ -123,10 +125,16 @@ def _optimizer(model, lr: float, steps: int, cfg: ZooConfig, embedding_lr_scale:
     return opt, sched
 
 
-def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_threads: int = 2, chat=None) -> dict:
+def _chats(cfg: ZooConfig, chat, edits) -> list:
+    return [(c, rows) for c, rows in ((chat, cfg.instruct_rows), (edits, cfg.edit_rows)) if c is not None]
+
+
+def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_threads: int = 2, chat=None,
+                  edits=None) -> dict:
     """Pre-train ``model`` with next-token cross-entropy on random windows of ``stream``; its last
     ``cfg.instruct_steps`` batches also hold ``cfg.instruct_rows`` rows of instruction pairs (``chat``, see
-    :func:`_batches`), whose loss is taken on the answers only."""
+    :func:`_batches`) and ``cfg.edit_rows`` rows of edit pairs (``edits``, :mod:`cluster.family.edits`),
+    whose loss is taken on the answers only."""
 
     tuner = _ThreadTuner(max_threads)
     model.train()
@@ -134,7 +142,7 @@ def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_
     opt, sched = _optimizer(model, cfg.target_lr, cfg.target_steps, cfg, cfg.embedding_lr_scale)
     t0 = time.perf_counter()
     ema = None
-    batches = _batches(stream, cfg.target_batch, cfg.seq_len, cfg.target_steps, seed, chat, cfg.instruct_rows,
+    batches = _batches(stream, cfg.target_batch, cfg.seq_len, cfg.target_steps, seed, _chats(cfg, chat, edits),
                        cfg.target_steps - cfg.instruct_steps)
     with _bar(progress, total=cfg.target_steps, desc="train target", unit="step") as bar:
         for x, w in batches:
@@ -163,6 +171,7 @@ def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_
         "train_tokens": cfg.target_steps * cfg.target_batch * cfg.seq_len,
         "instruct_steps": cfg.instruct_steps if chat is not None else 0,
         "instruct_rows": cfg.instruct_rows if chat is not None else 0,
+        "edit_rows": cfg.edit_rows if edits is not None else 0,
         "final_train_loss_ema": round(ema, 4) if ema is not None else None,
         "train_seconds": round(time.perf_counter() - t0, 2),
         "steps_by_threads": tuner.summary(),
@@ -170,13 +179,15 @@ def _train_target(model, stream, cfg: ZooConfig, seed: int, progress: bool, max_
 
 
 def _distill(
-    target, drafters: dict, stream, cfg: ZooConfig, seed: int, progress: bool, max_threads: int = 2, chat=None
+    target, drafters: dict, stream, cfg: ZooConfig, seed: int, progress: bool, max_threads: int = 2, chat=None,
+    edits=None,
 ) -> dict:
     """Jointly distil every drafter from ``target`` (one target forward per batch).
 
     Loss per drafter: ``w * T^2 * KL(p_target || p_drafter)`` at temperature
     ``T`` plus ``(1 - w) * CE(true next token)``.  Every batch also holds ``cfg.instruct_rows`` rows of
-    instruction pairs (``chat``), so the drafters follow the target on chat answers too (loss on all tokens).
+    instruction pairs (``chat``) and ``cfg.edit_rows`` of edit pairs (``edits``), so the drafters follow the
+    target on chat answers and edits too (loss on all tokens).
     """
 
     tau, w = cfg.distill_temperature, cfg.distill_kl_weight
@@ -191,7 +202,8 @@ def _distill(
     secs = {name: 0.0 for name in drafters}
     t_target = 0.0
     with _bar(progress, total=cfg.distill_steps, desc="distil drafters", unit="step") as bar:
-        for x, _ in _batches(stream, cfg.distill_batch, cfg.seq_len, cfg.distill_steps, seed, chat, cfg.instruct_rows):
+        for x, _ in _batches(stream, cfg.distill_batch, cfg.seq_len, cfg.distill_steps, seed,
+                             _chats(cfg, chat, edits)):
             with tuner:
                 inp, y = x[:, :-1], x[:, 1:].reshape(-1)
                 t0 = time.perf_counter()
@@ -230,6 +242,7 @@ def _distill(
             "lr": cfg.distill_lr,
             "train_tokens": cfg.distill_steps * cfg.distill_batch * cfg.seq_len,
             "instruct_rows": cfg.instruct_rows if chat is not None else 0,
+            "edit_rows": cfg.edit_rows if edits is not None else 0,
             "final_kl_ema": round(ema.get(name, float("nan")), 4),
             "train_seconds": round(secs[name] + t_target / max(1, len(drafters)), 2),
             "steps_by_threads": tuner.summary(),

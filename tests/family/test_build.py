@@ -175,7 +175,7 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 def test_full_preset_meets_size_ratio():
     """The real family's shapes satisfy the >= 10x parameter ratio (no training)."""
-    from cluster.family.build import PRESETS
+    from cluster.family.presets import PRESETS
     from cluster.family.common import _n_params
     from cluster.family.train import _make_model
 
@@ -203,7 +203,7 @@ def test_zoo_info_prints_the_table_or_the_manifest(tiny_zoo, capsys):
 def test_preset_rejects_unknown_training_dtype():
     import dataclasses
 
-    from cluster.family.build import PRESETS
+    from cluster.family.presets import PRESETS
 
     with pytest.raises(ValueError, match="train_autocast.*'float16'"):
         dataclasses.replace(PRESETS["tiny"], train_autocast="float16")

@@ -131,7 +131,7 @@ def test_training_rows_mix_in_chat_rows_from_pair_starts(tokenizer):
     pairs = pairs_from_source(SOURCE, "m.py") * 8
     chat = chat_stream(tokenizer, pairs, eot_id=0)
     stream = torch.arange(1000, dtype=torch.int32)
-    batches = list(_batches(stream, 2, 16, 4, seed=0, chat=chat, chat_rows=3, chat_from=2))
+    batches = list(_batches(stream, 2, 16, 4, seed=0, chats=[(chat, 3)], chat_from=2))
     assert [len(x) for x, _ in batches] == [2, 2, 5, 5]
     starts = {tuple(chat[0][s:s + 17].tolist()) for s in chat[2].tolist()}
     for x, w in batches[2:]:

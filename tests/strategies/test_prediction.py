@@ -43,6 +43,8 @@ CASES = [
      ([1], 3, SamplingParams(1.0, top_k=2), "mag", dict(k=1), "ABA")],
     [([0], 4, SamplingParams(1.0), "cs_drafting", dict(drafters="d,mag", kmatrix="1,0;0,1", lenience=2.0), "ACAB"),
      ([2, 0], 3, SamplingParams(0.0), "mag", dict(k=1), "CABC")],
+    # block verification alone, so its blocks extended by the prediction are the ones enumerated
+    [([1], 4, SamplingParams(1.0), "speculative", dict(drafter="d", k=1, verify="block"), "ABAB")],
 ]
 
 
