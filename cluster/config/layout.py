@@ -247,8 +247,9 @@ class ClusterSpec:
         Where the draft side has a device of its own (``drafters.num_gpus > 0``: GPU nodes) drafting in its own
         actor runs beside verification.  Where it has none, a draft actor on the critical path shares the CPU cores
         verification, Serve's proxy and the clients use; the near drafter keeps drafting in the coordinator (no
-        round trip on a miss) and a speculator actor drafts ahead on the spare core (docs/cluster.md, "Near drafter,
-        far speculator": measured fastest on the 2-core development machine)."""
+        round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md, "Near drafter,
+        far speculator").  That bet needs the spare core: on the shared 2-core development machine colocated
+        measured faster, and configs/local.yaml names it."""
         if self.topology != "auto":
             return self.topology, "named in the config"
         if self.drafters.num_gpus > 0:
