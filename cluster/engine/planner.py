@@ -68,7 +68,7 @@ from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import Acceptance
-from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, neighbours
+from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours
 
 log = logging.getLogger("specserve.planner")
 
@@ -171,13 +171,15 @@ class Planner:
             self._retry_at = self._plans + self.retry_every
             return False
 
-    def plan(self, running) -> None:
-        """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware."""
+    def plan(self, running, stuck=None) -> None:
+        """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware, but those that
+        ``stuck(seq)`` says step target-only whatever is planned (a model down).  A request whose drafters
+        hold no state yet is planned too: the engine prefills them only when it drafts."""
         self._settle()
         groups: dict[str, list] = {}
         for seq in running:
             strategy = seq.req.strategy
-            if getattr(strategy, "load_aware", False) and not getattr(seq, "stale", None):   # a target-only step
+            if getattr(strategy, "load_aware", False) and not (stuck is not None and stuck(seq)):
                 groups.setdefault(strategy.drafter, []).append(seq)
         self.acceptance.retire({id(s) for g in groups.values() for s in g})
         if not groups:
@@ -200,7 +202,7 @@ class Planner:
         """A probe not worth its run: once the band has measured some k > 0 (so estimates carry measured time
         ratios), an arm estimated below ``probe_floor`` of the best's goodput.  Measured in-process at 32 rows, a
         run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
-        if not any(band.times.get(j) for j in range(1, len(p.modelled))):
+        if not any(band.times.get(j) or j in p.prior for j in range(1, len(p.modelled))):
             return False                                 # the prior alone decides nothing here: probe
         ps = self.prior_samples
         return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
@@ -217,6 +219,7 @@ class Planner:
                      [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
                       for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])
+        p.prior = nearby(self._bands, drafter, key[1], k_max)
         best = choose(band, p, self.prior_samples, self.margin)
         if best != band.best:                            # a new best: look around it soon, upward first
             band.best, band.interval, band.turn = best, self.probe_every, 0
