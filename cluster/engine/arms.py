@@ -10,18 +10,18 @@ miss (drafter catch-up, the engine's own work, round trips).
 **Estimate.**  Goodput of arm k is ``B_g * T_k / (S_k * R_k)``: S_k the modelled step seconds, T_k the mean
 and R_k the median of the arm's last samples (tokens per step are bimodal -- a whole draft accepted or an
 early reject -- so their median swings between 1 and k + 1 and only the mean gives tokens per second),
-topped up to ``prior_samples`` with pseudo-samples.  Where the nearest band of the same drafter that has
-measured arm k exists (:func:`nearby`), they are that band's (mean tokens, median time ratio): a band the
-batch enters for the first time starts from what its neighbour measured -- at 16 rows, that speculation
-lost at 8 -- rather than from the cost model, which misprices a step the more the larger the batch (the
-engine's per-row work, the draft side's own cost, the load of the machine).  Else E_k (the acceptance
-model's tokens per step) for T; for R 1 when k = 0 or the band has measured no k > 0, else interpolated
-between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So what was measured
-nearest decides until an arm has samples, and two samples decide.
+topped up to ``prior_samples`` with pseudo-samples.  Where a band of the same drafter at most two bands
+away has measured arm k (:func:`nearby`), they are the nearest such band's (mean tokens, median time ratio):
+a band the batch enters for the first time starts from what its neighbour measured -- at 16 rows, that
+speculation lost at 8 -- rather than from the cost model, which misprices a step the more the larger the
+batch (the engine's per-row work, the draft side's own cost, the load of the machine).  Else E_k (the
+acceptance model's tokens per step) for T; for R 1 when k = 0 or the band has measured no k > 0, else
+interpolated between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So what
+was measured nearest decides until an arm has samples, and two samples decide.
 
 **Choice.**  Among k = 0 and the k > 0 measured in this band or a neighbouring one (every k while none
-is); the best k > 0 only if it beats k = 0 by ``margin``; ties go to the smaller k.  Other draft lengths are reached by probes
-(:func:`neighbours`).
+is); the best k > 0 only if it beats k = 0 by ``margin``; ties go to the smaller k.  Other draft lengths are
+reached by probes (:func:`neighbours`).
 """
 from __future__ import annotations
 
@@ -95,15 +95,16 @@ def borrow(band: Band, k: int) -> float:
     return near[lo] if lo is not None else near[hi] if hi is not None else 1.0
 
 
-def nearby(bands: dict, drafter: str, index: int, k_max: int) -> dict[int, tuple[float, float]]:
+def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2) -> dict[int, tuple[float, float]]:
     """k -> (mean tokens per row and step, median time ratio) of arm k in the nearest other band of
-    ``drafter`` that measured it (``bands``: (drafter, band index) -> :class:`Band`); at equal distance the
-    larger batch, where speculation pays less."""
+    ``drafter``, at most ``reach`` bands away, that measured it (``bands``: (drafter, band index) ->
+    :class:`Band`); at equal distance the larger batch, where speculation pays less."""
     out = {}
     for k in range(k_max + 1):
         best = None
         for (d, i), band in bands.items():
-            if d != drafter or i == index or not band.times.get(k) or not band.tokens.get(k):
+            if d != drafter or i == index or abs(i - index) > reach or not band.times.get(k) \
+                    or not band.tokens.get(k):
                 continue
             rank = (abs(i - index), -i)
             if best is None or rank < best[0]:
