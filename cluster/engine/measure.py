@@ -29,7 +29,7 @@ def _fastest_cells(handle, kind: type, rows, variants, make_call, context: int, 
     """The fastest of ``iters`` wall-second timings of one batched ``kind`` call through ``handle`` per (row
     count r, variant v) -- the minimum, not the median: on a machine shared with other work a timing is the
     call's cost plus whatever interfered, and the planner needs the tables' shape across rows and tokens (its
-    measured step times scale them), which a few interrupted timings bent by 2-5x at start-up:
+    measured step times scale them), which a few interrupted timings bend:
     r requests (ids ``<prefix><i>``) with ``context`` random cached tokens each get ``make_call(v)``; one
     warm-up call per cell, every request rolled back to its context after each call and released at the end."""
     gen = random.Random(0)
