@@ -15,7 +15,8 @@ Per step, :meth:`Planner.plan` groups the running requests whose strategy is loa
 per group; it sets ``seq.ctx.planned_k`` (the strategy caps it by the request's budget; 0 = plain decoding).
 
 **Arms and bands** (:mod:`cluster.engine.arms`): the state is kept per (drafter, batch-size band), and within a
-band per draft length k (an arm); bands learn independently.
+band per draft length k (an arm); bands learn independently, but a band the batch enters for the first time
+starts from what the nearest band (at most two away) measured, arm by arm (:func:`cluster.engine.arms.nearby`).
 
 **Prior.**  For the group's B_g rows with acceptance estimates alpha_i the cost model gives, per k, the
 expected tokens per row and step ``E_k = mean_i (1 - alpha_i^(k+1)) / (1 - alpha_i)`` and the step seconds
@@ -24,10 +25,11 @@ where the draft side is another process; :func:`cluster.core.forward_cost.step_s
 costs from :class:`ForwardCost` tables measured through the engine's own handles, :mod:`cluster.engine.measure`;
 a drafter without a table -- the deterministic Max-Gram drafter -- drafts for free), so the prior goodput
 is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
-:func:`cluster.core.forward_cost.plan_draft_length`).
+:func:`cluster.core.forward_cost.plan_draft_length`); it decides only arms that no band near has measured.
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time (the engine's: from the plan to the
-next step); the tokens the step committed are read at the next plan from the growth of each row's
+next step, the late prefill of the drafters of a request that drafts for the first time included); the
+tokens the step committed are read at the next plan from the growth of each row's
 ``ctx.stats.generated_tokens``, over the rows that ran the planned k in full (not those whose remaining
 budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
 real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
