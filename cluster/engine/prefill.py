@@ -8,8 +8,8 @@ first step samples the first token from the target's forward over the prompt, wi
 draft before it.  At the start of the next step the stale models are prefilled with the committed tokens (prompt
 + first token, one batched call per model) and the strategy's own steps take over -- for a load-aware request
 (``plan=load_aware``), at the first step its planner has it draft, so that plain decoding pays no drafter.
-Time to first token is then the target's prefill, as for plain decoding, rather than the target's and every drafter's prefill plus a
-drafted block and its verification (Leviathan et al., *Fast Inference from Transformers via Speculative
+Time to first token is then the target's prefill, as for plain decoding, rather than the target's and every
+drafter's prefill plus a drafted block and its verification (Leviathan et al., *Fast Inference from Transformers via Speculative
 Decoding*, Algorithm 1, makes no demand on how the first token is drawn: any step that samples the target's
 law is exact).  A lossy strategy (a speculative cascade, whose first token follows its own rule) and a request with a
 predicted output (:mod:`cluster.core.prediction`: its first block costs no drafter) are prefilled everywhere and
