@@ -11,7 +11,7 @@ miss (drafter catch-up, the engine's own work, round trips).
 and R_k the median of the arm's last samples (tokens per step are bimodal -- a whole draft accepted or an
 early reject -- so their median swings between 1 and k + 1 and only the mean gives tokens per second),
 topped up to ``prior_samples`` with pseudo-samples.  Where a band of the same drafter at most two bands
-away has measured arm k (:func:`nearby`), they are the nearest such band's (mean tokens, median time ratio):
+away has ``prior_samples`` samples of arm k (:func:`nearby`), they are the nearest such band's (mean tokens, median time ratio):
 a band the batch enters for the first time starts from what its neighbour measured -- at 16 rows, that
 speculation lost at 8 -- rather than from the cost model, which misprices a step the more the larger the
 batch (the engine's per-row work, the draft side's own cost, the load of the machine).  Else E_k (the
@@ -95,15 +95,17 @@ def borrow(band: Band, k: int) -> float:
     return near[lo] if lo is not None else near[hi] if hi is not None else 1.0
 
 
-def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2) -> dict[int, tuple[float, float]]:
+def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
+           need: int = 2) -> dict[int, tuple[float, float]]:
     """k -> (mean tokens per row and step, median time ratio) of arm k in the nearest other band of
-    ``drafter``, at most ``reach`` bands away, that measured it (``bands``: (drafter, band index) ->
-    :class:`Band`); at equal distance the larger batch, where speculation pays less."""
+    ``drafter``, at most ``reach`` bands away, that has at least ``need`` samples of it (one sample can be a
+    step that paid a prefill or a catch-up; ``bands``: (drafter, band index) -> :class:`Band`); at equal
+    distance the larger batch, where speculation pays less."""
     out = {}
     for k in range(k_max + 1):
         best = None
         for (d, i), band in bands.items():
-            if d != drafter or i == index or abs(i - index) > reach or not band.times.get(k) \
+            if d != drafter or i == index or abs(i - index) > reach or len(band.times.get(k, ())) < need \
                     or not band.tokens.get(k):
                 continue
             rank = (abs(i - index), -i)

@@ -205,7 +205,7 @@ class Planner:
         """A probe not worth its run: once the band has measured some k > 0 (so estimates carry measured time
         ratios), an arm estimated below ``probe_floor`` of the best's goodput.  Measured in-process at 32 rows, a
         run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
-        if not any(band.times.get(j) or j in p.prior for j in range(1, len(p.modelled))):
+        if not any(band.times.get(j) for j in range(1, len(p.modelled))):   # this band's own, not borrowed
             return False                                 # the prior alone decides nothing here: probe
         ps = self.prior_samples
         return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
@@ -222,7 +222,7 @@ class Planner:
                      [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
                       for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])
-        p.prior = nearby(self._bands, drafter, key[1], k_max)
+        p.prior = nearby(self._bands, drafter, key[1], k_max, need=max(self.prior_samples, 1))
         best = choose(band, p, self.prior_samples, self.margin)
         if best != band.best:                            # a new best: look around it soon, upward first
             band.best, band.interval, band.turn = best, self.probe_every, 0

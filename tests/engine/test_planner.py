@@ -194,6 +194,23 @@ def test_closed_loop_bands_learn_independently():
     assert _drive(twin, [_seq(drafter="mag", k=4)], 60, seconds) == one
 
 
+def test_a_new_band_starts_from_the_nearest_measured_band():
+    """Compute bound at every batch (a step of k drafts costs 20 ms * (1 + 1.5 k)): the cost model (free Max-Gram
+    drafts, a flat target) says k = 4, and 8 rows learn that plain decoding wins.  16 rows, a band never seen,
+    then decode plainly from their first plan: the neighbour's measured arms stand in for the prior.  A band
+    with a single sample of an arm lends nothing (one step can be a prefill's or a catch-up's)."""
+    seconds = lambda k, b: 0.020 * (1 + 1.5 * k)                           # noqa: E731
+    rows = lambda n: [_seq(drafter="mag", k=4) for _ in range(n)]         # noqa: E731
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    assert _drive(planner, rows(8), 40, seconds)[0] == 4                  # the prior, before any measurement
+    assert planner.report()[("mag", "8-15")]["best"] == 0
+    assert _drive(planner, rows(16), 3, seconds) == [0, 0, 0]
+    assert _drive(Planner({"t": FLAT}, "t", probe_every=8), rows(16), 1, seconds) == [4]    # no neighbour
+    once = Planner({"t": FLAT}, "t", probe_every=8)
+    _drive(once, rows(8), 1, seconds)                                     # one sample of k = 4 at 8 rows
+    assert _drive(once, rows(16), 1, seconds) == [4]
+
+
 def test_rows_whose_budget_cuts_the_draft_are_not_samples_of_the_planned_k():
     """A request's last steps draft fewer than the planned k (the strategy caps k by its budget): they commit
     one or two tokens, fast.  Counted as samples of k = 4 they would read as a cheap k that commits little;
