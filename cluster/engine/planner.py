@@ -49,7 +49,9 @@ decoding flipped the band back and forth on timing noise, and each flip paid a c
 plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
 plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
 is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
-won (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
+won -- beat the best's estimate by ``margin``: in a band where arms tie within timing noise, probes that won
+by less reset the interval again and again, and a third of a 16-row band's steps were probes, each paying a
+catch-up -- (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
 lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation
 does not pay (high batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
@@ -136,8 +138,9 @@ class Planner:
             if not p.switched:                           # a switch's step is not what k costs (docstring)
                 band.times.setdefault(p.k, deque(maxlen=self.window)).append(p.seconds / p.modelled[p.k])
             band.samples[p.k] += 1
-            if p.probe_at is not None:                   # a probe: back off unless it beats the best
-                won = estimate(band, p, p.k, self.prior_samples) > estimate(band, p, p.best, self.prior_samples)
+            if p.probe_at is not None:                   # a probe: back off unless it beats the best by the margin
+                won = estimate(band, p, p.k, self.prior_samples) > \
+                    estimate(band, p, p.best, self.prior_samples) * (1.0 + self.margin)
                 fresh = len(band.times.get(p.k, ())) < max(self.prior_samples, 1)
                 if won:                                  # hill-climb: next, one further the same way
                     band.interval, band.again = self.probe_every, p.k + (1 if p.k > p.best else -1)

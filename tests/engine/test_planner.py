@@ -194,6 +194,17 @@ def test_closed_loop_bands_learn_independently():
     assert _drive(twin, [_seq(drafter="mag", k=4)], 60, seconds) == one
 
 
+def test_probes_in_a_band_of_near_ties_back_off():
+    """k = 1 (the longest draft allowed) measures 4 % above plain decoding, inside the 10 % margin: the band
+    stays plain, and a probe of k = 1 that wins by less than the margin counts as lost, so probes back off
+    instead of recurring every few plans (each paid a catch-up)."""
+    seconds = lambda k, b: 0.010 if k == 0 else 0.01923                     # noqa: E731
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    ks = _drive(planner, [_seq(drafter="mag", k=1)], 400, seconds)
+    assert sum(k > 0 for k in ks[-200:]) <= 2 * planner.probe_run
+    assert planner.report()[("mag", "1")]["best"] == 0
+
+
 def test_a_new_band_starts_from_the_nearest_measured_band():
     """Compute bound at every batch (a step of k drafts costs 20 ms * (1 + 1.5 k)): the cost model (free Max-Gram
     drafts, a flat target) says k = 4, and 8 rows learn that plain decoding wins.  16 rows, a band never seen,
