@@ -55,6 +55,8 @@ class Band:
     again: int | None = None     # the k the next probe tries (None: the next neighbour in turn)
     best: int = 0
     probes: int = 0
+    seconds: float = 0.0         # wall seconds of the band's observed steps
+    probe_seconds: float = 0.0   # ... of those that ran a probe or switched back from one (exploring)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Pending:
     seconds: float | None = None
     switched: bool = False       # this drafter's k differs from its previous plan's (no time sample)
     prior: dict = field(default_factory=dict)   # k -> (tokens, time ratio) the nearest band measured
+    probing: bool = False        # a step of a probe run, or the switch back from one
 
 
 def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:

@@ -53,7 +53,11 @@ won -- beat the best's estimate by ``margin``: in a band where arms tie within t
 by less reset the interval again and again, and a third of a 16-row band's steps were probes, each paying a
 catch-up -- (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
-lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation
+lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  A band that decodes
+plainly starts a scheduled probe only while its probe runs (and their switches back) have taken at most
+``probe_budget`` of its observed wall time: a probe's first step pays what no time sample shows -- the
+drafters' catch-up on every token they missed, or their first prefill -- which in a 16-row CS Drafting band
+cost more than the plain steps between probes.  Where speculation
 does not pay (high batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
 counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
@@ -93,7 +97,8 @@ class Planner:
     def __init__(self, costs: dict[str, ForwardCost] | None, target: str, *, measure=None,
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, probe_every: int = 8, backoff: int = 16,
                  window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
-                 history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5):
+                 history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5,
+                 probe_budget: float = 0.1):
         if costs is None and measure is None:
             raise ValueError("Planner: give costs or a measure callable")
         if costs is not None and target not in costs:
@@ -105,8 +110,9 @@ class Planner:
         self.costs, self.target = dict(costs or {}), target
         self._measure, self.retry_every, self._retry_at, self._plans = measure, retry_every, 0, 0
         self.probe_every, self.backoff, self.window, self.prior_samples = probe_every, backoff, window, prior_samples
-        self.margin, self.probe_run, self.probe_floor = margin, probe_run, probe_floor
+        self.margin, self.probe_run, self.probe_floor, self.probe_budget = margin, probe_run, probe_floor, probe_budget
         self._last_k: dict[str, int] = {}              # drafter -> the k of its group's previous plan
+        self._last_probing: dict[str, bool] = {}       # drafter -> whether that plan was a probe's
         self.history: deque[tuple[int, int]] = deque(maxlen=history)
         self.counts: dict[int, Counter] = {}
         self.last: dict[str, tuple[int, int, float]] = {}
@@ -128,6 +134,11 @@ class Planner:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
         pending, self._pending = self._pending, []
         for p in pending:
+            if p.seconds is not None and p.seconds > 0:   # what exploring costs, against all the band's time
+                band = self._bands[p.key]
+                band.seconds += p.seconds
+                if p.probing:
+                    band.probe_seconds += p.seconds
             if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
                 continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
@@ -236,9 +247,10 @@ class Planner:
         band.seen = self._plans
         k, probe_at = best, None
         if band.run_left > 0 and band.run_k is not None and band.run_k <= k_max:     # a probe's run goes on
-            k, band.run_left = band.run_k, band.run_left - 1
+            k, band.run_left, p.probing = band.run_k, band.run_left - 1, True
             probe_at = band.plans if band.run_left == 0 else None
-        elif k_max > 0 and self.probe_every and band.plans >= band.next_probe:
+        elif k_max > 0 and self.probe_every and band.plans >= band.next_probe and (
+                band.again is not None or best > 0 or band.probe_seconds <= self.probe_budget * band.seconds):
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
                 cand = band.again
             else:
@@ -251,13 +263,15 @@ class Planner:
                 if band.turn % band.cycle == 0:
                     band.interval = min(band.interval * 2, self.probe_every * self.backoff)
             else:
-                k = cand
+                k, p.probing = cand, True
                 band.probes += 1
                 band.run_k, band.run_left = k, self.probe_run - 1
                 probe_at = band.plans if band.run_left == 0 else None  # judged on the run's last step
         p.k, p.best, p.probe_at = k, best, probe_at
         p.switched = self._last_k.get(drafter, k) != k
-        self._last_k[drafter] = k
+        back = p.switched and self._last_probing.get(drafter, False)
+        self._last_k[drafter], self._last_probing[drafter] = k, p.probing
+        p.probing = p.probing or back                    # leaving a probe run pays its switch back too
         # a row whose remaining budget cuts the draft below k (its last steps) does not run arm k: its tokens
         # would sample a shorter draft as this one (and its faster step with them); the step's time stays a
         # sample while some row runs k in full

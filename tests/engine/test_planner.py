@@ -205,6 +205,41 @@ def test_probes_in_a_band_of_near_ties_back_off():
     assert planner.report()[("mag", "1")]["best"] == 0
 
 
+def _switching(planner, steps, steady, switch):
+    """One row, every draft accepted; a step costs steady(k), plus ``switch`` seconds where k changed (the
+    drafter's catch-up).  -> (planned ks, wall seconds of the steps that ran k > 0 or switched back)."""
+    seq, ks, prev, explored = _seq(drafter="d", k=1), [], 0, 0.0
+    for _ in range(steps):
+        planner.plan([seq])
+        k = seq.ctx.planned_k
+        if k:
+            seq.ctx.stats.verification(k, k)
+        seq.ctx.stats.generated_tokens += k + 1
+        t = steady(k) + (switch if k != prev else 0.0)
+        explored += t if (k or k != prev) else 0.0
+        planner.observe(t)
+        ks.append(k)
+        prev = k
+    return ks, explored
+
+
+def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
+    """k = 1 ties plain decoding in steady state (2 tokens in 19.5 ms against 1 in 10 ms: inside the margin),
+    but entering it costs a 200 ms catch-up, which no time sample shows.  Once the band decodes plainly its
+    probes take at most ``probe_budget`` (10 %) of its wall time (one run and its switch back may exceed it
+    before the next is barred); with no budget the backed-off probes take a third of it."""
+    drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})                  # the prior says k = 0
+    steady = lambda k: 0.010 if k == 0 else 0.0195                        # noqa: E731
+    planner = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8)
+    ks, explored = _switching(planner, 600, steady, 0.2)
+    total = sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks))
+    run = 0.2 + 3 * 0.0195 + 0.010                                        # one probe run and the switch back
+    assert ks[0] == 0 and explored <= planner.probe_budget * total + run
+    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=1.0)
+    ks, explored = _switching(unbudgeted, 600, steady, 0.2)
+    assert explored > 0.3 * (sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks)))
+
+
 def test_a_new_band_starts_from_the_nearest_measured_band():
     """Compute bound at every batch (a step of k drafts costs 20 ms * (1 + 1.5 k)): the cost model (free Max-Gram
     drafts, a flat target) says k = 4, and 8 rows learn that plain decoding wins.  16 rows, a band never seen,
@@ -278,7 +313,7 @@ def test_hopeless_probes_are_skipped_once_a_draft_length_is_measured():
     planner = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4)
     ks = _drive(planner, [_seq(drafter="d", k=8) for _ in range(32)], 200, seconds)
     assert ks[0] > 0 and set(ks[1:]) == {0}
-    unfloored = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4, probe_floor=0.0)
+    unfloored = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4, probe_floor=0.0, probe_budget=1.0)
     ks = _drive(unfloored, [_seq(drafter="d", k=8) for _ in range(32)], 200, seconds)
     assert ks.count(8) >= planner.probe_run and ks.count(1) >= planner.probe_run
 
