@@ -130,6 +130,14 @@ class Planner:
             if p.seconds is None:
                 p.seconds = float(seconds)
 
+    def prefilled(self, seqs) -> None:
+        """The engine prefilled the drafters of ``seqs`` inside the step just planned (their first drafting
+        step): like a switch's, that step's time is not what its k costs, so it gives no time sample."""
+        ids = {id(s) for s in seqs}
+        for p in self._pending:
+            if any(id(s) in ids for s, _ in p.rows):
+                p.switched = True
+
     def _settle(self) -> None:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
         pending, self._pending = self._pending, []

@@ -62,6 +62,8 @@ class Prefilling:
                     and (s.ctx.planned_k or 0) > 0]
         for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
             self._prefill([s for s in drafting if name in s.stale], {name})
+        if drafting and hasattr(self.planner, "prefilled"):
+            self.planner.prefilled(drafting)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: stale models), one batched call each.  On

@@ -304,6 +304,23 @@ def test_a_switch_of_k_costs_no_time_sample():
     assert planner.report()[("d", "1")]["arms"][4][2] == pytest.approx(0.014 / modelled)   # steady steps only
 
 
+def test_a_step_that_prefilled_drafters_gives_no_time_sample():
+    """A planned request's drafters are prefilled inside its first drafting step (cluster/engine/prefill.py):
+    that step's time (here 10x a step) is the prefill's, not k's, so it gives tokens but no time sample."""
+    planner = Planner({"t": FLAT}, "t", probe_every=0)
+    seq = _seq(drafter="mag", k=4)
+    planner.plan([seq])
+    planner.prefilled([seq])
+    seq.ctx.stats.generated_tokens += 5
+    planner.observe(0.100)
+    planner.plan([seq])
+    seq.ctx.stats.generated_tokens += 5
+    planner.observe(0.010)
+    planner.plan([seq])
+    samples, tokens, ratio = planner.report()[("mag", "1")]["arms"][4]
+    assert samples == 2 and ratio == pytest.approx(0.010 / 0.010)
+
+
 def test_hopeless_probes_are_skipped_once_a_draft_length_is_measured():
     """32 rows, compute bound: each draft token adds 6 plain step-lengths.  The prior's first step (k = 2)
     measures that; every probe after it (k = 1, then the longest draft) is estimated from that measured time
