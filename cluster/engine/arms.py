@@ -10,14 +10,18 @@ miss (drafter catch-up, the engine's own work, round trips).
 **Estimate.**  Goodput of arm k is ``B_g * T_k / (S_k * R_k)``: S_k the modelled step seconds, T_k the mean
 and R_k the median of the arm's last samples (tokens per step are bimodal -- a whole draft accepted or an
 early reject -- so their median swings between 1 and k + 1 and only the mean gives tokens per second),
-topped up to ``prior_samples`` with pseudo-samples -- E_k (the
+topped up to ``prior_samples`` with pseudo-samples.  Where a band of the same drafter at most two bands
+away has ``prior_samples`` samples of arm k (:func:`nearby`), they are the nearest such band's (mean tokens, median time ratio):
+a band the batch enters for the first time starts from what its neighbour measured -- at 16 rows, that
+speculation lost at 8 -- rather than from the cost model, which misprices a step the more the larger the
+batch (the engine's per-row work, the draft side's own cost, the load of the machine).  Else E_k (the
 acceptance model's tokens per step) for T; for R 1 when k = 0 or the band has measured no k > 0, else
-interpolated between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So the
-cost model decides until an arm has samples, and two samples decide.
+interpolated between the nearest measured k > 0 (draft lengths share drafter and catch-up costs).  So what
+was measured nearest decides until an arm has samples, and two samples decide.
 
-**Choice.**  Among k = 0 and the measured k > 0 (every k while the band has measured none); the best k > 0
-only if it beats k = 0 by ``margin``; ties go to the smaller k.  Other draft lengths are reached by probes
-(:func:`neighbours`).
+**Choice.**  Among k = 0 and the k > 0 measured in this band or a neighbouring one (every k while none
+is); the best k > 0 only if it beats k = 0 by ``margin``; ties go to the smaller k.  Other draft lengths are
+reached by probes (:func:`neighbours`).
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ class Band:
     again: int | None = None     # the k the next probe tries (None: the next neighbour in turn)
     best: int = 0
     probes: int = 0
+    seconds: float = 0.0         # wall seconds of the band's observed steps
+    probe_seconds: float = 0.0   # ... of those that ran a probe or switched back from one (exploring)
 
 
 @dataclass
@@ -66,16 +72,19 @@ class Pending:
     probe_at: int | None = None  # the band's plan number, for a probe
     seconds: float | None = None
     switched: bool = False       # this drafter's k differs from its previous plan's (no time sample)
+    prior: dict = field(default_factory=dict)   # k -> (tokens, time ratio) the nearest band measured
+    probing: bool = False        # a step of a probe run, or the switch back from one
 
 
 def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
     """Goodput of draft length k at this step (committed tokens per second), as the module docstring says."""
     need = max(prior_samples, 1)
     tok, tim = list(band.tokens.get(k, ())), list(band.times.get(k, ()))
+    near = p.prior.get(k)
     if len(tok) < need:
-        tok += [p.expected[k]] * (need - len(tok))
+        tok += [near[0] if near else p.expected[k]] * (need - len(tok))
     if len(tim) < need:
-        tim += [borrow(band, k) if k > 0 else 1.0] * (need - len(tim))
+        tim += [near[1] if near else borrow(band, k) if k > 0 else 1.0] * (need - len(tim))
     return len(p.rows) * statistics.fmean(tok) / max(p.modelled[k] * statistics.median(tim), 1e-12)
 
 
@@ -89,10 +98,32 @@ def borrow(band: Band, k: int) -> float:
     return near[lo] if lo is not None else near[hi] if hi is not None else 1.0
 
 
+def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
+           need: int = 2) -> dict[int, tuple[float, float]]:
+    """k -> (mean tokens per row and step, median time ratio) of arm k in the nearest other band of
+    ``drafter``, at most ``reach`` bands away, that has at least ``need`` samples of it (one sample can be a
+    step that paid a prefill or a catch-up; ``bands``: (drafter, band index) -> :class:`Band`); at equal
+    distance the larger batch, where speculation pays less."""
+    out = {}
+    for k in range(k_max + 1):
+        best = None
+        for (d, i), band in bands.items():
+            if d != drafter or i == index or abs(i - index) > reach or len(band.times.get(k, ())) < need \
+                    or not band.tokens.get(k):
+                continue
+            rank = (abs(i - index), -i)
+            if best is None or rank < best[0]:
+                best = (rank, band)
+        if best is not None:
+            band = best[1]
+            out[k] = (statistics.fmean(band.tokens[k]), statistics.median(band.times[k]))
+    return out
+
+
 def choose(band: Band, p: Pending, prior_samples: int, margin: float) -> int:
-    """The best k by estimate among k = 0 and the measured k > 0 (every k while no k > 0 is measured)."""
+    """The best k by estimate among k = 0 and the k > 0 measured here or nearby (every k while none is)."""
     est = [estimate(band, p, k, prior_samples) for k in range(len(p.modelled))]
-    measured = [k for k in range(1, len(est)) if band.times.get(k)]
+    measured = [k for k in range(1, len(est)) if band.times.get(k) or k in p.prior]
     arms = measured if measured else range(1, len(est))
     if not arms:
         return 0

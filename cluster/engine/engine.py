@@ -182,8 +182,9 @@ class Engine(Prefilling, CallerDriven):
         for seq in running:
             seq.begin_step()
         if self.planner is not None:
-            self.planner.plan(running)
-            self._planned_at = time.perf_counter()
+            self.planner.plan(running, stuck=self.stuck)
+            self._planned_at = time.perf_counter()      # the drafters' late prefill is part of the step's cost
+            self._prefill_drafting(running)
 
     def _postprocess(self, outs: dict[Sequence, Any]) -> list[Sequence]:
         """Each request's step result through its stop rules and out as a chunk; -> the requests that ended."""

@@ -10,7 +10,6 @@ protocol is used (:class:`cluster.core.interfaces.BatchedHandle`: ``prefill_batc
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from functools import partial
 from typing import Mapping
@@ -25,9 +24,12 @@ ROWS = (1, 2, 4, 8, 16, 32)        # batch sizes measured (capped by the engine'
 NEW_TOKENS = (1, 2, 3, 5, 9)       # tokens fed per row by the target's forward: k + 1 for k = 0, 1, 2, 4, 8
 
 
-def _median_cells(handle, kind: type, rows, variants, make_call, context: int, iters: int,
-                  prefix: str) -> dict[tuple[int, object], float]:
-    """Median wall seconds of one batched ``kind`` call through ``handle`` per (row count r, variant v):
+def _fastest_cells(handle, kind: type, rows, variants, make_call, context: int, iters: int,
+                   prefix: str) -> dict[tuple[int, object], float]:
+    """The fastest of ``iters`` wall-second timings of one batched ``kind`` call through ``handle`` per (row
+    count r, variant v) -- the minimum, not the median: on a machine shared with other work a timing is the
+    call's cost plus whatever interfered, and the planner needs the tables' shape across rows and tokens (its
+    measured step times scale them), which a few interrupted timings bend:
     r requests (ids ``<prefix><i>``) with ``context`` random cached tokens each get ``make_call(v)``; one
     warm-up call per cell, every request rolled back to its context after each call and released at the end."""
     gen = random.Random(0)
@@ -47,7 +49,7 @@ def _median_cells(handle, kind: type, rows, variants, make_call, context: int, i
                         times.append(time.perf_counter() - t0)
                     for rid in rids:
                         handle.rollback(rid, context)
-                result[(r, v)] = statistics.median(times)
+                result[(r, v)] = min(times)
         finally:
             for rid in rids:
                 handle.release(rid)
@@ -56,22 +58,22 @@ def _median_cells(handle, kind: type, rows, variants, make_call, context: int, i
 
 def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
                       iters: int = 10) -> dict[tuple[int, int], float]:
-    """Median wall seconds of one batched score forward through ``handle``: ``rows`` requests with ``context``
-    cached tokens, each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1).
+    """Wall seconds (the fastest of ``iters``) of one batched score forward through ``handle``: ``rows``
+    requests with ``context`` cached tokens, each feeding ``new_tokens`` tokens (the last context token plus a draft of new_tokens - 1).
     One warm-up call per cell; the measuring requests (ids ``__grid<i>``) are released at the end."""
-    return _median_cells(handle, Score, rows, new_tokens, lambda t: Score(handle.name, (1,) * (t - 1)),
+    return _fastest_cells(handle, Score, rows, new_tokens, lambda t: Score(handle.name, (1,) * (t - 1)),
                          context, iters, "__grid")
 
 
 def draft_cost_grids(side, drafter: str, rows=(1, 4, 8, 16, 32), lengths=(1, 3), context: int = 64,
                      iters: int = 10) -> tuple[dict, dict]:
     """What a step's drafting costs through the draft side ``side`` (one call per step, however many tokens):
-    per row count r, the median wall seconds D(r, k) of one ``Draft`` call of k tokens from ``drafter`` for r
+    per row count r, the fastest wall seconds D(r, k) of one ``Draft`` call of k tokens from ``drafter`` for r
     requests, at the two ``lengths`` k1 < k2, split into a per-token part f(r) = (D(r, k2) - D(r, k1)) /
     (k2 - k1) (one drafter forward) and a per-call part D(r, k1) - k1 f(r) (the round trip, packing, the
     program), both >= 0.  Returns ``({(r, 1): f(r)}, {(r, 1): call(r)})``; request ids ``__draft<i>``."""
     spec, (k1, k2) = DraftSpec("propose", (drafter,)), lengths
-    d = _median_cells(side, Draft, rows, (k1, k2), lambda k: Draft(DRAFTS, spec, k, k + 1), context, iters,
+    d = _fastest_cells(side, Draft, rows, (k1, k2), lambda k: Draft(DRAFTS, spec, k, k + 1), context, iters,
                       "__draft")
     per_token, per_call = {}, {}
     for r in rows:
@@ -87,7 +89,7 @@ def planner_rows(max_batch: int, rows=ROWS) -> tuple[int, ...]:
 
 
 def measure_costs(handles: Mapping[str, object], target: str, drafters, *, rows=ROWS, new_tokens=NEW_TOKENS,
-                  context: int = 64, iters: int = 2) -> dict[str, ForwardCost]:
+                  context: int = 64, iters: int = 3) -> dict[str, ForwardCost]:
     """:class:`ForwardCost` tables measured now: the target over ``rows`` x ``new_tokens``, each neural drafter
     over ``rows`` x one token (the planner prices k drafter forwards of one token).  Deterministic drafters
     (the Max-Gram drafter, ``handle.deterministic``) get no table: they draft for free.
@@ -117,7 +119,7 @@ def measure_costs(handles: Mapping[str, object], target: str, drafters, *, rows=
 
 
 def build_planner(handles: Mapping[str, object], target: str, drafters, spec, *, measure_now: bool | None = None,
-                  iters: int = 2) -> Planner:
+                  iters: int = 3) -> Planner:
     """THE planner of an engine over ``handles`` (the ones the engine will use), for a config's ``engine:``
     section ``spec`` (read by attribute: ``max_batch``, ``options``).
 

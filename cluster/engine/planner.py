@@ -15,7 +15,8 @@ Per step, :meth:`Planner.plan` groups the running requests whose strategy is loa
 per group; it sets ``seq.ctx.planned_k`` (the strategy caps it by the request's budget; 0 = plain decoding).
 
 **Arms and bands** (:mod:`cluster.engine.arms`): the state is kept per (drafter, batch-size band), and within a
-band per draft length k (an arm); bands learn independently.
+band per draft length k (an arm); bands learn independently, but a band the batch enters for the first time
+starts from what the nearest band (at most two away) measured, arm by arm (:func:`cluster.engine.arms.nearby`).
 
 **Prior.**  For the group's B_g rows with acceptance estimates alpha_i the cost model gives, per k, the
 expected tokens per row and step ``E_k = mean_i (1 - alpha_i^(k+1)) / (1 - alpha_i)`` and the step seconds
@@ -24,10 +25,11 @@ where the draft side is another process; :func:`cluster.core.forward_cost.step_s
 costs from :class:`ForwardCost` tables measured through the engine's own handles, :mod:`cluster.engine.measure`;
 a drafter without a table -- the deterministic Max-Gram drafter -- drafts for free), so the prior goodput
 is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
-:func:`cluster.core.forward_cost.plan_draft_length`).
+:func:`cluster.core.forward_cost.plan_draft_length`); it decides only arms that no band near has measured.
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time (the engine's: from the plan to the
-next step); the tokens the step committed are read at the next plan from the growth of each row's
+next step, the late prefill of the drafters of a request that drafts for the first time included); the
+tokens the step committed are read at the next plan from the growth of each row's
 ``ctx.stats.generated_tokens``, over the rows that ran the planned k in full (not those whose remaining
 budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
 real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
@@ -40,15 +42,22 @@ was only ever such a step, which measured slower than a run of the same k and ke
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
 ``B_g * T_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
-k = 0 by ``margin``.
+k = 0 by ``margin`` (10 %: measured in-process at 32 rows, a speculating arm within a few percent of plain
+decoding flipped the band back and forth on timing noise, and each flip paid a catch-up).
 
 **Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) starts a run of ``probe_run``
 plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
 plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
 is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
-won (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
+won -- beat the best's estimate by ``margin``: in a band where arms tie within timing noise, probes that won
+by less reset the interval again and again, and a third of a 16-row band's steps were probes, each paying a
+catch-up -- (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
-lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  Where speculation
+lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  A band that decodes
+plainly starts a scheduled probe only while its probe runs (and their switches back) have taken at most
+``probe_budget`` of its observed wall time: a probe's first step pays what no time sample shows -- the
+drafters' catch-up on every token they missed, or their first prefill -- which in a 16-row CS Drafting band
+cost more than the plain steps between probes.  Where speculation
 does not pay (high batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
 counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
@@ -68,7 +77,7 @@ from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import Acceptance
-from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, neighbours
+from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours
 
 log = logging.getLogger("specserve.planner")
 
@@ -87,8 +96,9 @@ class Planner:
 
     def __init__(self, costs: dict[str, ForwardCost] | None, target: str, *, measure=None,
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, probe_every: int = 8, backoff: int = 16,
-                 window: int = 12, prior_samples: int = 2, margin: float = 0.05, memory: int = 4096,
-                 history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5):
+                 window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
+                 history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5,
+                 probe_budget: float = 0.1):
         if costs is None and measure is None:
             raise ValueError("Planner: give costs or a measure callable")
         if costs is not None and target not in costs:
@@ -100,8 +110,9 @@ class Planner:
         self.costs, self.target = dict(costs or {}), target
         self._measure, self.retry_every, self._retry_at, self._plans = measure, retry_every, 0, 0
         self.probe_every, self.backoff, self.window, self.prior_samples = probe_every, backoff, window, prior_samples
-        self.margin, self.probe_run, self.probe_floor = margin, probe_run, probe_floor
+        self.margin, self.probe_run, self.probe_floor, self.probe_budget = margin, probe_run, probe_floor, probe_budget
         self._last_k: dict[str, int] = {}              # drafter -> the k of its group's previous plan
+        self._last_probing: dict[str, bool] = {}       # drafter -> whether that plan was a probe's
         self.history: deque[tuple[int, int]] = deque(maxlen=history)
         self.counts: dict[int, Counter] = {}
         self.last: dict[str, tuple[int, int, float]] = {}
@@ -119,10 +130,23 @@ class Planner:
             if p.seconds is None:
                 p.seconds = float(seconds)
 
+    def prefilled(self, seqs) -> None:
+        """The engine prefilled the drafters of ``seqs`` inside the step just planned (their first drafting
+        step): like a switch's, that step's time is not what its k costs, so it gives no time sample."""
+        ids = {id(s) for s in seqs}
+        for p in self._pending:
+            if any(id(s) in ids for s, _ in p.rows):
+                p.switched = True
+
     def _settle(self) -> None:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
         pending, self._pending = self._pending, []
         for p in pending:
+            if p.seconds is not None and p.seconds > 0:   # what exploring costs, against all the band's time
+                band = self._bands[p.key]
+                band.seconds += p.seconds
+                if p.probing:
+                    band.probe_seconds += p.seconds
             if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
                 continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
@@ -133,8 +157,9 @@ class Planner:
             if not p.switched:                           # a switch's step is not what k costs (docstring)
                 band.times.setdefault(p.k, deque(maxlen=self.window)).append(p.seconds / p.modelled[p.k])
             band.samples[p.k] += 1
-            if p.probe_at is not None:                   # a probe: back off unless it beats the best
-                won = estimate(band, p, p.k, self.prior_samples) > estimate(band, p, p.best, self.prior_samples)
+            if p.probe_at is not None:                   # a probe: back off unless it beats the best by the margin
+                won = estimate(band, p, p.k, self.prior_samples) > \
+                    estimate(band, p, p.best, self.prior_samples) * (1.0 + self.margin)
                 fresh = len(band.times.get(p.k, ())) < max(self.prior_samples, 1)
                 if won:                                  # hill-climb: next, one further the same way
                     band.interval, band.again = self.probe_every, p.k + (1 if p.k > p.best else -1)
@@ -171,13 +196,15 @@ class Planner:
             self._retry_at = self._plans + self.retry_every
             return False
 
-    def plan(self, running) -> None:
-        """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware."""
+    def plan(self, running, stuck=None) -> None:
+        """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware, but those that
+        ``stuck(seq)`` says step target-only whatever is planned (a model down).  A request whose drafters
+        hold no state yet is planned too: the engine prefills them only when it drafts."""
         self._settle()
         groups: dict[str, list] = {}
         for seq in running:
             strategy = seq.req.strategy
-            if getattr(strategy, "load_aware", False) and not getattr(seq, "stale", None):   # a target-only step
+            if getattr(strategy, "load_aware", False) and not (stuck is not None and stuck(seq)):
                 groups.setdefault(strategy.drafter, []).append(seq)
         self.acceptance.retire({id(s) for g in groups.values() for s in g})
         if not groups:
@@ -200,7 +227,7 @@ class Planner:
         """A probe not worth its run: once the band has measured some k > 0 (so estimates carry measured time
         ratios), an arm estimated below ``probe_floor`` of the best's goodput.  Measured in-process at 32 rows, a
         run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
-        if not any(band.times.get(j) for j in range(1, len(p.modelled))):
+        if not any(band.times.get(j) for j in range(1, len(p.modelled))):   # this band's own, not borrowed
             return False                                 # the prior alone decides nothing here: probe
         ps = self.prior_samples
         return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
@@ -217,6 +244,7 @@ class Planner:
                      [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
                       for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])
+        p.prior = nearby(self._bands, drafter, key[1], k_max, need=max(self.prior_samples, 1))
         best = choose(band, p, self.prior_samples, self.margin)
         if best != band.best:                            # a new best: look around it soon, upward first
             band.best, band.interval, band.turn = best, self.probe_every, 0
@@ -227,9 +255,10 @@ class Planner:
         band.seen = self._plans
         k, probe_at = best, None
         if band.run_left > 0 and band.run_k is not None and band.run_k <= k_max:     # a probe's run goes on
-            k, band.run_left = band.run_k, band.run_left - 1
+            k, band.run_left, p.probing = band.run_k, band.run_left - 1, True
             probe_at = band.plans if band.run_left == 0 else None
-        elif k_max > 0 and self.probe_every and band.plans >= band.next_probe:
+        elif k_max > 0 and self.probe_every and band.plans >= band.next_probe and (
+                band.again is not None or best > 0 or band.probe_seconds <= self.probe_budget * band.seconds):
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
                 cand = band.again
             else:
@@ -242,13 +271,15 @@ class Planner:
                 if band.turn % band.cycle == 0:
                     band.interval = min(band.interval * 2, self.probe_every * self.backoff)
             else:
-                k = cand
+                k, p.probing = cand, True
                 band.probes += 1
                 band.run_k, band.run_left = k, self.probe_run - 1
                 probe_at = band.plans if band.run_left == 0 else None  # judged on the run's last step
         p.k, p.best, p.probe_at = k, best, probe_at
         p.switched = self._last_k.get(drafter, k) != k
-        self._last_k[drafter] = k
+        back = p.switched and self._last_probing.get(drafter, False)
+        self._last_k[drafter], self._last_probing[drafter] = k, p.probing
+        p.probing = p.probing or back                    # leaving a probe run pays its switch back too
         # a row whose remaining budget cuts the draft below k (its last steps) does not run arm k: its tokens
         # would sample a shorter draft as this one (and its faster step with them); the step's time stays a
         # sample while some row runs k in full

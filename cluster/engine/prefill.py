@@ -6,9 +6,10 @@ A request with a stale model steps target-only (the engine's fallback, a plain a
 target's law, so a lossless strategy keeps its output distribution, and greedy decoding its tokens), so its
 first step samples the first token from the target's forward over the prompt, with no drafter's prefill or
 draft before it.  At the start of the next step the stale models are prefilled with the committed tokens (prompt
-+ first token, one batched call per model) and the strategy's own steps take over.  Time to first token is
-then the target's prefill, as for plain decoding, rather than the target's and every drafter's prefill plus a
-drafted block and its verification (Leviathan et al., *Fast Inference from Transformers via Speculative
++ first token, one batched call per model) and the strategy's own steps take over -- for a load-aware request
+(``plan=load_aware``), at the first step its planner has it draft, so that plain decoding pays no drafter.
+Time to first token is then the target's prefill, as for plain decoding, rather than the target's and every
+drafter's prefill plus a drafted block and its verification (Leviathan et al., *Fast Inference from Transformers via Speculative
 Decoding*, Algorithm 1, makes no demand on how the first token is drawn: any step that samples the target's
 law is exact).  A lossy strategy (a speculative cascade, whose first token follows its own rule) and a request with a
 predicted output (:mod:`cluster.core.prediction`: its first block costs no drafter) are prefilled everywhere and
@@ -41,7 +42,28 @@ class Prefilling:
             self.health.refresh()
         back = {m for s in self.scheduler.running for m in s.stale} - self.health.down
         if back:
-            self._prefill([s for s in self.scheduler.running if s.stale & back], back)
+            self._prefill([s for s in self.scheduler.running if s.stale & back and not self._planned(s)], back)
+
+    def _planned(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s stale models wait for the planner: a load-aware request's drafters are prefilled
+        only at the first step the planner has it draft (:meth:`_prefill_drafting`), so a request the planner
+        keeps on plain decoding costs what plain decoding costs -- no drafter prefill, no draft side."""
+        return self.planner is not None and getattr(seq.req.strategy, "load_aware", False)
+
+    def stuck(self, seq: Sequence) -> bool:
+        """Whether ``seq`` steps target-only whatever the planner says: its first step (the first token is the
+        target's prefill alone), or one of its models is down."""
+        return bool(seq.stale) and (not seq.generated or bool(seq.stale & self.health.down))
+
+    def _prefill_drafting(self, running: list[Sequence]) -> None:
+        """Prefill the stale models (the draft side) of the planned requests that draft this step, with their
+        committed tokens, one batched call per model; one that fails stays stale and steps target-only."""
+        drafting = [s for s in running if s.stale and self._planned(s) and not self.stuck(s)
+                    and (s.ctx.planned_k or 0) > 0]
+        for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
+            self._prefill([s for s in drafting if name in s.stale], {name})
+        if drafting and hasattr(self.planner, "prefilled"):
+            self.planner.prefilled(drafting)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: stale models), one batched call each.  On

@@ -69,3 +69,42 @@ def test_a_cascade_and_a_predicted_request_draft_from_their_first_step():
     assert predicted.stats.prediction_drafted > 0 and not predicted.stale
     assert plain.stats.drafted_tokens == 0 and plain.stale == {DRAFTS}
     assert sorted(engine.models[DRAFTS].active_requests()) == [predicted.rid]
+
+
+class Plays:
+    """A planner that plays ``ks`` (one per plan) to the load-aware requests that run their own step."""
+
+    def __init__(self, ks):
+        self.ks, self.i = list(ks), 0
+
+    def plan(self, running, stuck=None):
+        planned = [s for s in running if s.req.strategy.load_aware and not (stuck and stuck(s))]
+        for s in planned:
+            s.ctx.planned_k = self.ks[min(self.i, len(self.ks) - 1)]
+        self.i += bool(planned)
+
+    def observe(self, seconds):
+        pass
+
+
+def test_a_planned_request_prefills_its_drafter_only_when_the_plan_drafts():
+    """plan=load_aware: while the planner says k = 0 the request decodes plainly with no drafter state at all
+    (no prefill, nothing on the draft side); the first step planned k > 0 prefills the drafter with every
+    committed token and drafts at once; greedy tokens equal plain decoding's."""
+    engine, models = _engine()
+    engine.planner = Plays([0, 0, 2])
+    seq = engine.add(GenerationRequest(prompt_ids=[0, 1, 2], max_new_tokens=8, sampling=SamplingParams(0.0),
+                                       seed=3, strategy="speculative",
+                                       options={"drafter": "d", "k": 3, "plan": "load_aware"}))
+    for _ in range(3):                                  # the first step (target-only), then two planned k = 0
+        engine.step()
+    assert len(seq.generated) == 3 and models["d"].calls == [] and seq.stale == {DRAFTS}
+    assert not engine.models[DRAFTS].active_requests()
+    engine.step()                                       # k = 2: prefilled with prompt + 3 tokens, then drafts
+    assert models["d"].calls[0] == ("prefill", 3 + 3) and not seq.stale and seq.stats.drafted_tokens == 2
+    while engine.has_work:
+        engine.step()
+    plain, _ = _engine()
+    want = plain.generate(GenerationRequest(prompt_ids=[0, 1, 2], max_new_tokens=8, sampling=SamplingParams(0.0),
+                                            seed=3, strategy="autoregressive")).token_ids
+    assert seq.generated == list(want)

@@ -13,13 +13,14 @@ from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes
 
 class Scripted:
     """A planner that plays a fixed list of draft lengths, one per plan, to every load-aware request that runs
-    its strategy's step (as the real planner, it skips a request whose step is the target's alone: its first)."""
+    its strategy's step (as the real planner, it skips a request whose step is the target's alone: its first;
+    a later one whose drafters hold no state yet is planned, and the engine prefills them when it drafts)."""
 
     def __init__(self, ks):
         self.ks, self.i = list(ks), 0
 
-    def plan(self, running):
-        planned = [s for s in running if s.req.strategy.load_aware and not s.stale]
+    def plan(self, running, stuck=None):
+        planned = [s for s in running if s.req.strategy.load_aware and not (stuck and stuck(s))]
         for s in planned:
             s.ctx.planned_k = self.ks[self.i % len(self.ks)]
         self.i += bool(planned)
@@ -59,15 +60,18 @@ def test_switching_between_plain_and_speculative_steps_is_exact(strategy, ks):
     assert max_abs_diff(enumerate_outcomes(run), target_joint(target, [0], 4)) < 1e-9
 
 
-B_OPTIONS = {"autoregressive": {}, "speculative": {"drafter": "small", "k": 2}}
+B_ROWS = {"autoregressive": ("autoregressive", {}), "speculative": ("speculative", {"drafter": "small", "k": 2}),
+          "planned": ("speculative", {"drafter": "small", "k": 2, "plan": "load_aware"})}
 
 
 @pytest.mark.parametrize("strategy,b_strategy", [("speculative", "autoregressive"), ("cs_drafting", "autoregressive"),
-                                                 ("speculative", "speculative")])
+                                                 ("speculative", "speculative"), ("speculative", "planned"),
+                                                 ("cs_drafting", "planned")])
 def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy, b_strategy):
     """Request A (4 tokens) runs from the first step; B (3 tokens; plain autoregressive, or speculative with
-    fixed k: its target-only first step runs beside A's planned step, its drafter is prefilled at the next)
-    joins at the second step; the plan switches k every step.  The joint law of (A, B) is the
+    fixed k: its target-only first step runs beside A's planned step, its drafter is prefilled at the next; or
+    planned too: its drafter is prefilled at the first step the plan has it draft) joins at the second step; the
+    plan switches k every step.  The joint law of (A, B) is the
     product of the target's laws for their prompts."""
     holder = {}
     engine, target, drafters = _engine([0, 2, 1, 0, 2], holder)
@@ -80,8 +84,9 @@ def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy, b_str
         a = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=4, sampling=SamplingParams(1.0), seed=0,
                                          strategy=strategy, options=OPTIONS[strategy]))
         engine.step()
+        b_name, b_options = B_ROWS[b_strategy]
         b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=3, sampling=SamplingParams(1.0), seed=1,
-                                         strategy=b_strategy, options=B_OPTIONS[b_strategy]))
+                                         strategy=b_name, options=b_options))
         while engine.has_work:
             engine.step()
         return tuple(a.generated), tuple(b.generated)

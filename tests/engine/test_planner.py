@@ -194,6 +194,69 @@ def test_closed_loop_bands_learn_independently():
     assert _drive(twin, [_seq(drafter="mag", k=4)], 60, seconds) == one
 
 
+def test_probes_in_a_band_of_near_ties_back_off():
+    """k = 1 (the longest draft allowed) measures 4 % above plain decoding, inside the 10 % margin: the band
+    stays plain, and a probe of k = 1 that wins by less than the margin counts as lost, so probes back off
+    instead of recurring every few plans (each paid a catch-up)."""
+    seconds = lambda k, b: 0.010 if k == 0 else 0.01923                     # noqa: E731
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    ks = _drive(planner, [_seq(drafter="mag", k=1)], 400, seconds)
+    assert sum(k > 0 for k in ks[-200:]) <= 2 * planner.probe_run
+    assert planner.report()[("mag", "1")]["best"] == 0
+
+
+def _switching(planner, steps, steady, switch):
+    """One row, every draft accepted; a step costs steady(k), plus ``switch`` seconds where k changed (the
+    drafter's catch-up).  -> (planned ks, wall seconds of the steps that ran k > 0 or switched back)."""
+    seq, ks, prev, explored = _seq(drafter="d", k=1), [], 0, 0.0
+    for _ in range(steps):
+        planner.plan([seq])
+        k = seq.ctx.planned_k
+        if k:
+            seq.ctx.stats.verification(k, k)
+        seq.ctx.stats.generated_tokens += k + 1
+        t = steady(k) + (switch if k != prev else 0.0)
+        explored += t if (k or k != prev) else 0.0
+        planner.observe(t)
+        ks.append(k)
+        prev = k
+    return ks, explored
+
+
+def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
+    """k = 1 ties plain decoding in steady state (2 tokens in 19.5 ms against 1 in 10 ms: inside the margin),
+    but entering it costs a 200 ms catch-up, which no time sample shows.  Once the band decodes plainly its
+    probes take at most ``probe_budget`` (10 %) of its wall time (one run and its switch back may exceed it
+    before the next is barred); with no budget the backed-off probes take a third of it."""
+    drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})                  # the prior says k = 0
+    steady = lambda k: 0.010 if k == 0 else 0.0195                        # noqa: E731
+    planner = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8)
+    ks, explored = _switching(planner, 600, steady, 0.2)
+    total = sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks))
+    run = 0.2 + 3 * 0.0195 + 0.010                                        # one probe run and the switch back
+    assert ks[0] == 0 and explored <= planner.probe_budget * total + run
+    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=1.0)
+    ks, explored = _switching(unbudgeted, 600, steady, 0.2)
+    assert explored > 0.3 * (sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks)))
+
+
+def test_a_new_band_starts_from_the_nearest_measured_band():
+    """Compute bound at every batch (a step of k drafts costs 20 ms * (1 + 1.5 k)): the cost model (free Max-Gram
+    drafts, a flat target) says k = 4, and 8 rows learn that plain decoding wins.  16 rows, a band never seen,
+    then decode plainly from their first plan: the neighbour's measured arms stand in for the prior.  A band
+    with a single sample of an arm lends nothing (one step can be a prefill's or a catch-up's)."""
+    seconds = lambda k, b: 0.020 * (1 + 1.5 * k)                           # noqa: E731
+    rows = lambda n: [_seq(drafter="mag", k=4) for _ in range(n)]         # noqa: E731
+    planner = Planner({"t": FLAT}, "t", probe_every=8)
+    assert _drive(planner, rows(8), 40, seconds)[0] == 4                  # the prior, before any measurement
+    assert planner.report()[("mag", "8-15")]["best"] == 0
+    assert _drive(planner, rows(16), 3, seconds) == [0, 0, 0]
+    assert _drive(Planner({"t": FLAT}, "t", probe_every=8), rows(16), 1, seconds) == [4]    # no neighbour
+    once = Planner({"t": FLAT}, "t", probe_every=8)
+    _drive(once, rows(8), 1, seconds)                                     # one sample of k = 4 at 8 rows
+    assert _drive(once, rows(16), 1, seconds) == [4]
+
+
 def test_rows_whose_budget_cuts_the_draft_are_not_samples_of_the_planned_k():
     """A request's last steps draft fewer than the planned k (the strategy caps k by its budget): they commit
     one or two tokens, fast.  Counted as samples of k = 4 they would read as a cheap k that commits little;
@@ -241,6 +304,23 @@ def test_a_switch_of_k_costs_no_time_sample():
     assert planner.report()[("d", "1")]["arms"][4][2] == pytest.approx(0.014 / modelled)   # steady steps only
 
 
+def test_a_step_that_prefilled_drafters_gives_no_time_sample():
+    """A planned request's drafters are prefilled inside its first drafting step (cluster/engine/prefill.py):
+    that step's time (here 10x a step) is the prefill's, not k's, so it gives tokens but no time sample."""
+    planner = Planner({"t": FLAT}, "t", probe_every=0)
+    seq = _seq(drafter="mag", k=4)
+    planner.plan([seq])
+    planner.prefilled([seq])
+    seq.ctx.stats.generated_tokens += 5
+    planner.observe(0.100)
+    planner.plan([seq])
+    seq.ctx.stats.generated_tokens += 5
+    planner.observe(0.010)
+    planner.plan([seq])
+    samples, tokens, ratio = planner.report()[("mag", "1")]["arms"][4]
+    assert samples == 2 and ratio == pytest.approx(0.010 / 0.010)
+
+
 def test_hopeless_probes_are_skipped_once_a_draft_length_is_measured():
     """32 rows, compute bound: each draft token adds 6 plain step-lengths.  The prior's first step (k = 2)
     measures that; every probe after it (k = 1, then the longest draft) is estimated from that measured time
@@ -250,7 +330,7 @@ def test_hopeless_probes_are_skipped_once_a_draft_length_is_measured():
     planner = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4)
     ks = _drive(planner, [_seq(drafter="d", k=8) for _ in range(32)], 200, seconds)
     assert ks[0] > 0 and set(ks[1:]) == {0}
-    unfloored = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4, probe_floor=0.0)
+    unfloored = Planner({"t": STEEP, "d": DRAFT}, "t", probe_every=4, probe_floor=0.0, probe_budget=1.0)
     ks = _drive(unfloored, [_seq(drafter="d", k=8) for _ in range(32)], 200, seconds)
     assert ks.count(8) >= planner.probe_run and ks.count(1) >= planner.probe_run
 
