@@ -140,7 +140,7 @@ def run(args, cfg) -> int:
     write_results(table, out, "simulate_calibration")
     proj = project()
     print_table(proj, "simulate: projection for configs/production-70b.yaml (TP=8, drafters on their own GPU; "
-                      "cited inputs in cluster/bench/projection.py; not measured)")
+                      "inputs in cluster/bench/projection.py: forward costs measured on a lent H200, the rest cited)")
     write_results(proj, out, "simulate_projection")
     print(f"results written to {out}/simulate_{{inputs,calibration,projection}}.{{csv,json}}")
     return 0
