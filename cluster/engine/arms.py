@@ -26,7 +26,7 @@ reached by probes (:func:`neighbours`).
 from __future__ import annotations
 
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 BANDS = ("1", "2-3", "4-7", "8-15", "16-31", "32+")
@@ -57,8 +57,6 @@ class Band:
     probes: int = 0
     seconds: float = 0.0         # wall seconds of the band's observed steps
     probe_seconds: float = 0.0   # ... of those that ran a probe or switched back from one (exploring)
-    catch_up: deque = field(default_factory=lambda: deque(maxlen=12))   # recent entry seconds per row that
-    prefill: deque = field(default_factory=lambda: deque(maxlen=12))    # caught up / was prefilled (entry_cost)
 
 
 @dataclass
@@ -76,14 +74,10 @@ class Pending:
     switched: bool = False       # this drafter's k differs from its previous plan's (no time sample)
     prior: dict = field(default_factory=dict)   # k -> (tokens, time ratio) the nearest band measured
     probing: bool = False        # a step of a probe run, or the switch back from one
-    catching: int = 0            # rows whose drafters catch up if this step drafts (the group's last plan was k = 0)
-    prefilling: int = 0          # rows whose drafters are prefilled if it drafts (never drafted yet)
-    charge: list = field(default_factory=list)  # per k: entry seconds charged per step, amortised (choose)
 
 
-def estimate(band: Band, p: Pending, k: int, prior_samples: int, extra: float = 0.0) -> float:
-    """Goodput of draft length k at this step (committed tokens per second), as the module docstring says;
-    ``extra`` seconds are added to its step (an entry's cost charged to it, :func:`entry_cost`)."""
+def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
+    """Goodput of draft length k at this step (committed tokens per second), as the module docstring says."""
     need = max(prior_samples, 1)
     tok, tim = list(band.tokens.get(k, ())), list(band.times.get(k, ()))
     near = p.prior.get(k)
@@ -91,39 +85,7 @@ def estimate(band: Band, p: Pending, k: int, prior_samples: int, extra: float = 
         tok += [near[0] if near else p.expected[k]] * (need - len(tok))
     if len(tim) < need:
         tim += [near[1] if near else borrow(band, k) if k > 0 else 1.0] * (need - len(tim))
-    return len(p.rows) * statistics.fmean(tok) / max(p.modelled[k] * statistics.median(tim) + extra, 1e-12)
-
-
-def entry_cost(band: Band, catching: int, prefilling: int) -> float:
-    """Seconds that ``catching`` rows (their drafters catch up on the tokens of the plain steps before) and
-    ``prefilling`` rows (their drafters' late prefill) pay to start drafting: per row the median over the
-    band's recent steps that entered k > 0 with rows of one kind of (step seconds - k's modelled seconds x its
-    time ratio) / entering rows; 0 until measured, a prefill's standing in for an unmeasured catch-up (a
-    catch-up is a prefill of the missed tokens)."""
-    pre = statistics.median(band.prefill) if band.prefill else 0.0
-    return (statistics.median(band.catch_up) if band.catch_up else pre) * catching + pre * prefilling
-
-
-def charges(band: Band, p: Pending, budgets: list, default_steps: int) -> list[float]:
-    """Per k, the entry cost of the group's entering rows charged per step of arm k, amortised over the steps the
-    group's rows have left at k's expected tokens per step (``budgets``: their remaining tokens, None where
-    unknown: ``default_steps``); k = 0 pays none.  A band that decodes plainly thus leaves k = 0 only for a
-    k > 0 that also repays the catch-up, and a request whose drafters were never prefilled starts drafting only
-    where its remaining length repays the prefill."""
-    cost = entry_cost(band, p.catching, p.prefilling)
-    known = [b for b in budgets if b is not None]
-    out = [0.0]
-    for k in range(1, len(p.modelled)):
-        steps = statistics.fmean(known) / max(p.expected[k], 1.0) if known else default_steps
-        out.append(cost / max(steps, 1.0) if cost > 0 else 0.0)
-    return out
-
-
-def ratio(band: Band, p: Pending, k: int) -> float:
-    """Arm k's time ratio as :func:`estimate` uses it: its own median, the nearest band's, or borrowed."""
-    if band.times.get(k):
-        return statistics.median(band.times[k])
-    return p.prior[k][1] if k in p.prior else borrow(band, k) if k > 0 else 1.0
+    return len(p.rows) * statistics.fmean(tok) / max(p.modelled[k] * statistics.median(tim), 1e-12)
 
 
 def borrow(band: Band, k: int) -> float:
@@ -159,9 +121,8 @@ def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
 
 
 def choose(band: Band, p: Pending, prior_samples: int, margin: float) -> int:
-    """The best k by estimate among k = 0 and the k > 0 measured here or nearby (every k while none is), each
-    charged ``p.charge[k]`` seconds per step (the entry its rows would pay, amortised)."""
-    est = [estimate(band, p, k, prior_samples, p.charge[k] if p.charge else 0.0) for k in range(len(p.modelled))]
+    """The best k by estimate among k = 0 and the k > 0 measured here or nearby (every k while none is)."""
+    est = [estimate(band, p, k, prior_samples) for k in range(len(p.modelled))]
     measured = [k for k in range(1, len(est)) if band.times.get(k) or k in p.prior]
     arms = measured if measured else range(1, len(est))
     if not arms:

@@ -45,12 +45,6 @@ was only ever such a step, which measured slower than a run of the same k and ke
 k = 0 by ``margin`` (10 %: measured in-process at 32 rows, a speculating arm within a few percent of plain
 decoding flipped the band back and forth on timing noise, and each flip paid a catch-up).
 
-**Switch cost** (:func:`cluster.engine.arms.entry_cost`, :func:`cluster.engine.arms.charges`): a row that
-starts drafting pays once what no time sample shows (the drafters' catch-up after plain steps, or their late
-prefill), measured per entering row on the steps that entered k > 0.  The choice charges it to every k > 0
-for the rows that would enter, amortised over the steps they have left; a probe that leaves or enters k = 0
-is charged one catch-up per row over its run before ``probe_floor`` judges it.
-
 **Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) starts a run of ``probe_run``
 plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
 plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
@@ -83,8 +77,7 @@ from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import Acceptance
-from cluster.engine.arms import (BANDS, Band, Pending, band_of, charges, choose, entry_cost, estimate, nearby,
-                                 neighbours, ratio)
+from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours
 
 log = logging.getLogger("specserve.planner")
 
@@ -154,9 +147,6 @@ class Planner:
                 band.seconds += p.seconds
                 if p.probing:
                     band.probe_seconds += p.seconds
-                if p.switched and p.k > 0 and bool(p.catching) != bool(p.prefilling):   # what entering k > 0 cost
-                    extra = max(p.seconds - p.modelled[p.k] * ratio(band, p, p.k), 0.0)
-                    (band.catch_up if p.catching else band.prefill).append(extra / (p.catching or p.prefilling))
             if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
                 continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
@@ -239,9 +229,8 @@ class Planner:
         run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
         if not any(band.times.get(j) for j in range(1, len(p.modelled))):   # this band's own, not borrowed
             return False                                 # the prior alone decides nothing here: probe
-        ps = self.prior_samples                          # a run that leaves or enters k = 0 pays one catch-up
-        extra = entry_cost(band, len(p.rows), 0) / self.probe_run if (cand == 0) != (best == 0) else 0.0
-        return estimate(band, p, cand, ps, extra) < self.probe_floor * estimate(band, p, best, ps)
+        ps = self.prior_samples
+        return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
 
     def _plan_group(self, drafter: str, seqs: list, alphas: list[float], batch: int) -> int:
         k_max = max(0, min(s.req.strategy.k for s in seqs))
@@ -256,9 +245,6 @@ class Planner:
                       for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])
         p.prior = nearby(self._bands, drafter, key[1], k_max, need=max(self.prior_samples, 1))
-        p.prefilling = sum(bool(getattr(s, "stale", None)) for s in seqs)   # never drafted: drafters hold no state
-        p.catching = len(seqs) - p.prefilling if self._last_k.get(drafter) == 0 else 0
-        p.charge = charges(band, p, [getattr(s.ctx, "budget", None) for s in seqs], self.window)
         best = choose(band, p, self.prior_samples, self.margin)
         if best != band.best:                            # a new best: look around it soon, upward first
             band.best, band.interval, band.turn = best, self.probe_every, 0

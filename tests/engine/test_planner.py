@@ -9,8 +9,6 @@ from cluster.core.draft.programs import DRAFTS
 from cluster.core.forward_cost import ForwardCost, plan_draft_length
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
-from cluster.engine import arms
-from cluster.engine import planner as planner_module
 from cluster.engine.planner import Planner
 from cluster.engine.request import GenerationRequest
 from cluster.family import ensure_built
@@ -229,8 +227,7 @@ def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
     """k = 1 ties plain decoding in steady state (2 tokens in 19.5 ms against 1 in 10 ms: inside the margin),
     but entering it costs a 200 ms catch-up, which no time sample shows.  Once the band decodes plainly its
     probes take at most ``probe_budget`` (10 %) of its wall time (one run and its switch back may exceed it
-    before the next is barred); with no budget and no ``probe_floor`` (which, once the catch-up is measured,
-    charges it to a probe and skips it) the backed-off probes take a third of it."""
+    before the next is barred); with no budget the backed-off probes take a third of it."""
     drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})                  # the prior says k = 0
     steady = lambda k: 0.010 if k == 0 else 0.0195                        # noqa: E731
     planner = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8)
@@ -238,7 +235,7 @@ def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
     total = sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks))
     run = 0.2 + 3 * 0.0195 + 0.010                                        # one probe run and the switch back
     assert ks[0] == 0 and explored <= planner.probe_budget * total + run
-    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=1.0, probe_floor=0.0)
+    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=1.0)
     ks, explored = _switching(unbudgeted, 600, steady, 0.2)
     assert explored > 0.3 * (sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks)))
 
@@ -452,45 +449,3 @@ def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):
     # 2 and 3; once the k = 2 request ends first, which depends on timing, drafter-large's cap is 5)
     assert history[:2] == [(3, 2), (3, 3)] and max(k for b, k in history if b == 3) <= 3
     assert all(r.stats.drafted_tokens > 0 for r in out)
-
-
-def _entering(planner, steps, steady, entry):
-    """One row of a new request (drafters never prefilled: ``stale``), every draft accepted; a step costs
-    steady(k), plus ``entry`` seconds where it drafts after plain steps or for the first time (catch-up, or the
-    late prefill).  -> (planned ks, total wall seconds)."""
-    seq, ks, prev, total = _seq(drafter="mag", k=4), [], 0, 0.0
-    seq.stale = {"mag"}
-    for _ in range(steps):
-        planner.plan([seq])
-        k = seq.ctx.planned_k
-        entered = k > 0 and (prev == 0 or seq.stale)
-        if entered and seq.stale:
-            planner.prefilled([seq])
-            seq.stale = set()
-        if k:
-            seq.ctx.stats.verification(k, k)
-        seq.ctx.stats.generated_tokens += k + 1
-        t = steady(k) + (entry if entered else 0.0)
-        planner.observe(t)
-        total += t
-        ks.append(k)
-        prev = k
-    return ks, total
-
-
-def test_probes_that_leave_speculation_are_charged_the_catch_up_back(monkeypatch):
-    """One row, where speculation always wins (this CPU at c = 1): k = 4 gives 5 tokens in 40 ms (125 tok/s),
-    plain decoding 1 in 10 ms (100 tok/s, not below ``probe_floor`` of k = 4's), and entering k > 0 costs a
-    row 100 ms (its first step paid it as the late prefill).  A run of 3 plain steps then pays that catch-up on
-    the way back: 3 + 1 steps for 8 tokens in 170 ms against 20 tokens in 160 ms.  Charged its catch-up back
-    amortised over the run, a plain probe estimates below the floor and never runs; uncharged (entries cost
-    nothing: the planner before the charge), the same plans probe plain decoding again and again."""
-    steady = lambda k: 0.010 + 0.0075 * k                                  # noqa: E731
-    planner = Planner({"t": FLAT}, "t", probe_every=8)
-    ks, total = _entering(planner, 300, steady, 0.1)
-    assert ks[0] == 4 and 0 not in ks
-    monkeypatch.setattr(arms, "entry_cost", lambda *a: 0.0)
-    monkeypatch.setattr(planner_module, "entry_cost", lambda *a: 0.0)
-    old_ks, old_total = _entering(Planner({"t": FLAT}, "t", probe_every=8), 300, steady, 0.1)
-    assert old_ks.count(0) >= 2 * planner.probe_run
-    assert sum(k + 1 for k in ks) / total > sum(k + 1 for k in old_ks) / old_total   # goodput
