@@ -53,6 +53,21 @@ def _model(shape: dict, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
     return model.eval()
 
 
+def _median_seconds(step, device: str, iters: int, warmup: int, after=lambda: None) -> float:
+    """Median wall seconds of ``step()`` over ``iters`` calls after ``warmup`` untimed ones, the device
+    synchronised around each; ``after()`` runs after every call, untimed."""
+    times = []
+    for i in range(warmup + iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        after()
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def time_forward(model, device: str, rows: int, tokens: int, context: int, iters: int, warmup: int) -> float:
     """Median seconds of one forward of ``tokens`` new tokens per row after ``context`` cached positions."""
@@ -60,16 +75,8 @@ def time_forward(model, device: str, rows: int, tokens: int, context: int, iters
     cache = DynamicCache()
     model(torch.randint(vocab, (rows, context), device=device), past_key_values=cache, use_cache=True)
     new = torch.randint(vocab, (rows, tokens), device=device)
-    times = []
-    for i in range(warmup + iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        model(new, past_key_values=cache, use_cache=True)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        cache.crop(-tokens)                    # transformers 5: a negative count removes that many
-    return statistics.median(times)
+    return _median_seconds(lambda: model(new, past_key_values=cache, use_cache=True), device, iters, warmup,
+                           after=lambda: cache.crop(-tokens))   # transformers 5: a negative count removes that many
 
 
 @torch.inference_mode()
@@ -99,15 +106,7 @@ def time_graphed(model, device: str, rows: int, tokens: int, context: int, iters
         with torch.cuda.graph(graph):
             step()
         step = graph.replay
-    times = []
-    for i in range(warmup + iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _median_seconds(step, device, iters, warmup)
 
 
 def shape_costs(device: str, shapes: dict = SHAPES, rows=ROWS, tokens=TOKENS, context: int = CONTEXT,
