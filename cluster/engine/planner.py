@@ -81,7 +81,12 @@ from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate,
 
 log = logging.getLogger("specserve.planner")
 
-__all__ = ["BANDS", "Planner", "band_of"]
+__all__ = ["BANDS", "Planner", "band_of", "is_planned"]
+
+
+def is_planned(seq) -> bool:
+    """Whether ``seq``'s strategy takes its draft length from the planner (option ``plan=load_aware``)."""
+    return getattr(seq.req.strategy, "load_aware", False)
 
 
 class Planner:
@@ -203,9 +208,8 @@ class Planner:
         self._settle()
         groups: dict[str, list] = {}
         for seq in running:
-            strategy = seq.req.strategy
-            if getattr(strategy, "load_aware", False) and not (stuck is not None and stuck(seq)):
-                groups.setdefault(strategy.drafter, []).append(seq)
+            if is_planned(seq) and not (stuck is not None and stuck(seq)):
+                groups.setdefault(seq.req.strategy.drafter, []).append(seq)
         self.acceptance.retire({id(s) for g in groups.values() for s in g})
         if not groups:
             return

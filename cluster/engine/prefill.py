@@ -9,9 +9,9 @@ draft before it.  At the start of the next step the stale models are prefilled w
 + first token, one batched call per model) and the strategy's own steps take over -- for a load-aware request
 (``plan=load_aware``), at the first step its planner has it draft, so that plain decoding pays no drafter.
 Time to first token is then the target's prefill, as for plain decoding, rather than the target's and every
-drafter's prefill plus a drafted block and its verification (Leviathan et al., *Fast Inference from Transformers via Speculative
-Decoding*, Algorithm 1, makes no demand on how the first token is drawn: any step that samples the target's
-law is exact).  A lossy strategy (a speculative cascade, whose first token follows its own rule) and a request with a
+drafter's prefill plus a drafted block and its verification (Leviathan et al., *Fast Inference from Transformers
+via Speculative Decoding*, Algorithm 1, makes no demand on how the first token is drawn: any step that samples
+the target's law is exact).  A lossy strategy (a speculative cascade, whose first token follows its own rule) and a request with a
 predicted output (:mod:`cluster.core.prediction`: its first block costs no drafter) are prefilled everywhere and
 draft from their first step.
 
@@ -21,6 +21,7 @@ there is stale until the next step re-prefills it.
 from __future__ import annotations
 
 from cluster.core.calls import PrefillItem, prefill_scored
+from cluster.engine.planner import is_planned
 from cluster.engine.sequence import FINISHED, Sequence
 from cluster.errors import ModelUnavailableError
 
@@ -48,7 +49,7 @@ class Prefilling:
         """Whether ``seq``'s stale models wait for the planner: a load-aware request's drafters are prefilled
         only at the first step the planner has it draft (:meth:`_prefill_drafting`), so a request the planner
         keeps on plain decoding costs what plain decoding costs -- no drafter prefill, no draft side."""
-        return self.planner is not None and getattr(seq.req.strategy, "load_aware", False)
+        return self.planner is not None and is_planned(seq)
 
     def stuck(self, seq: Sequence) -> bool:
         """Whether ``seq`` steps target-only whatever the planner says: its first step (the first token is the
@@ -62,7 +63,7 @@ class Prefilling:
                     and (s.ctx.planned_k or 0) > 0]
         for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
             self._prefill([s for s in drafting if name in s.stale], {name})
-        if drafting and hasattr(self.planner, "prefilled"):
+        if drafting:
             self.planner.prefilled(drafting)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import Rng, SamplingParams
+from cluster.engine.planner import is_planned
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from tests.support.exact import TabularModel, VocabTokenizer, local_engine
@@ -78,12 +79,15 @@ class Plays:
         self.ks, self.i = list(ks), 0
 
     def plan(self, running, stuck=None):
-        planned = [s for s in running if s.req.strategy.load_aware and not (stuck and stuck(s))]
+        planned = [s for s in running if is_planned(s) and not (stuck and stuck(s))]
         for s in planned:
             s.ctx.planned_k = self.ks[min(self.i, len(self.ks) - 1)]
         self.i += bool(planned)
 
     def observe(self, seconds):
+        pass
+
+    def prefilled(self, seqs):
         pass
 
 

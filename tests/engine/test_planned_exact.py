@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.core.sampling import SamplingParams
+from cluster.engine.planner import is_planned
 from cluster.engine.request import GenerationRequest
 from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes, local_engine, max_abs_diff, target_joint
 
@@ -20,12 +21,15 @@ class Scripted:
         self.ks, self.i = list(ks), 0
 
     def plan(self, running, stuck=None):
-        planned = [s for s in running if s.req.strategy.load_aware and not (stuck and stuck(s))]
+        planned = [s for s in running if is_planned(s) and not (stuck and stuck(s))]
         for s in planned:
             s.ctx.planned_k = self.ks[self.i % len(self.ks)]
         self.i += bool(planned)
 
     def observe(self, seconds):
+        pass
+
+    def prefilled(self, seqs):
         pass
 
 
