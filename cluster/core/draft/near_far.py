@@ -24,8 +24,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from cluster.core.draft.cache import FanOut, SpeculationCache
+from cluster.core.draft.cache import Entry, FanOut, SpeculationCache
 from cluster.core.draft.programs import DRAFTS, DraftBlock
+from cluster.core.draft.race import Race
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.speculator import Fill, FillItem, Reply, Speculator
 from cluster.core.interfaces import BatchedHandle, UnsupportedCallError
@@ -132,10 +133,7 @@ class NearFarSide(BatchedHandle):
         c = self.cache.counters
         for i, (rid, spec, limit, _) in enumerate(items):
             c.steps += 1
-            used, entries = self.cache.take(rid, self.near.request(rid).seq, spec)
-            if entries:
-                self.fanout.outcome([e.key for e in entries], used.key if used else None)
-                c.wasted += sum(len(e.block.tokens) for e in entries if e is not used)
+            used = self.take(rid, spec)
             if used is not None:
                 c.hits[used.key[0]] += 1
                 out[i] = used.block.tail(0, limit)
@@ -143,8 +141,13 @@ class NearFarSide(BatchedHandle):
             else:
                 miss.append(i)
         if miss:
-            for i, block in zip(miss, self.near.draft_batch([items[i] for i in miss])):
+            race = Race(self, [items[i] for i in miss]) if self._waiting else None
+            blocks = self.near.draft_batch([items[i] for i in miss], race=race)
+            for i, block in zip(miss, race.settle(blocks) if race else blocks):
                 out[i] = block
+        if self._waiting:                            # not even while near drafted: late
+            self.fanout.answered(False)
+            self._waiting = []
         self._send(items, out)
         dt = time.perf_counter() - t0
         c.calls, c.call_s = c.calls + 1, c.call_s + dt
@@ -152,12 +155,19 @@ class NearFarSide(BatchedHandle):
             c.hit_calls, c.hit_s = c.hit_calls + 1, c.hit_s + dt
         return out
 
-    def _receive(self) -> None:
-        """Fill the cache from the answer to the last fill, if it has arrived; count it late otherwise."""
-        if self._waiting:
-            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+    def take(self, rid: str, spec) -> Entry | None:
+        """The cached block for ``rid``'s committed sequence and ``spec`` (else None); every other entry of the
+        request is wasted, and the fan-out learns which of its bets came true."""
+        used, entries = self.cache.take(rid, self.near.request(rid).seq, spec)
+        if entries:
+            self.fanout.outcome([e.key for e in entries], used.key if used else None)
+            self.cache.counters.wasted += sum(len(e.block.tokens) for e in entries if e is not used)
+        return used
+
+    def poll(self) -> bool:
+        """Read the answers that have arrived (never waiting) into the cache; True once the last fill's is in."""
         for reply in self.link.poll():               # (a link that is down reconnects from here)
-            if reply.id and reply.id == self._sent:
+            if reply.id and reply.id == self._sent and self._waiting:
                 self.cache.counters.fill_s += reply.compute_s
                 live = set(self.near.active_requests())
                 for rid, entries in reply.entries.items():
@@ -169,11 +179,16 @@ class NearFarSide(BatchedHandle):
                 self.fanout.answered(True)
             elif reply.id:                             # a late answer to an older fill: all of it wasted
                 self.cache.counters.wasted += reply.tokens
+        return not self._waiting
+
+    def _receive(self) -> None:
+        """At the step's start: the answer to the last fill, if it has arrived; counted late otherwise (the
+        miss drafting races it, :mod:`cluster.core.draft.race`)."""
         if self._waiting:
+            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+        if not self.poll():
             self.cache.counters.late += len(self._waiting)
             self.cache.counters.late_fills += 1
-            self.fanout.answered(False)
-            self._waiting = []
 
     def _send(self, items: list[tuple], out: list) -> None:
         fill_items = []
