@@ -238,10 +238,9 @@ class DraftSide(BatchedHandle):
             raise UnknownRequestError(DRAFTS, rid) from None
 
     def _run(self, runs: list[_Run], stop=None, race=None) -> list:
-        """Run the programs of ``runs`` together (``stop``: see :func:`cluster.core.calls.drive`; ``race``: see
-        :meth:`draft_batch`); in order, a block or the exception that failed that request (a drafter's or a
-        program's error fails only the requests it touched; a drafter that is gone, :class:`ModelUnavailableError`,
-        takes the whole draft side down)."""
+        """Run the programs of ``runs`` together (``stop``: :func:`cluster.core.calls.drive`; ``race``: its
+        ``withdraw``, with the tokens drafted so far); in order, a block or the exception that failed that request
+        (a drafter's or a program's error fails only the requests it touched; one gone takes the side down)."""
         failed = self._prefill_members(runs)
         gens, rids, dcs = {}, {}, {}
         for run in runs:
@@ -249,8 +248,7 @@ class DraftSide(BatchedHandle):
                 st = self._reqs[run.rid]
                 dcs[run.key] = dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
                                              self._holder(st), committed=st.seq, alts=self.alts)
-                gens[run.key] = run_program(run.spec, dc, run.work, run.limit,
-                                            stoppable=stop is not None or race is not None)
+                gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=bool(stop or race))
                 rids[run.key] = run.rid
         withdraw = None if race is None else (lambda keys: race({k: dcs[k].partial for k in keys}))
         done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop,
