@@ -145,9 +145,7 @@ class NearFarSide(BatchedHandle):
             blocks = self.near.draft_batch([items[i] for i in miss], race=race)
             for i, block in zip(miss, race.settle(blocks) if race else blocks):
                 out[i] = block
-        if self._waiting:                            # not even while near drafted: late
-            self.fanout.answered(False)
-            self._waiting = []
+        self._waiting = []                           # (an answer that comes later is for an older fill)
         self._send(items, out)
         dt = time.perf_counter() - t0
         c.calls, c.call_s = c.calls + 1, c.call_s + dt
@@ -176,17 +174,20 @@ class NearFarSide(BatchedHandle):
                 self.cache.counters.rows += reply.rows
                 self.cache.counters.fills += 1
                 self._waiting = []
-                self.fanout.answered(True)
             elif reply.id:                             # a late answer to an older fill: all of it wasted
                 self.cache.counters.wasted += reply.tokens
         return not self._waiting
 
     def _receive(self) -> None:
-        """At the step's start: the answer to the last fill, if it has arrived; counted late otherwise (the
-        miss drafting races it, :mod:`cluster.core.draft.race`)."""
+        """At the step's start: the answer to the last fill, if it has arrived; counted late otherwise, for the
+        fan-out too (which sizes fills to come within one verification), though the miss drafting races it
+        (:mod:`cluster.core.draft.race`)."""
+        if not self._waiting:
+            self.poll()
+            return
+        self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+        self.fanout.answered(self.poll())
         if self._waiting:
-            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
-        if not self.poll():
             self.cache.counters.late += len(self._waiting)
             self.cache.counters.late_fills += 1
 
