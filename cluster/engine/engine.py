@@ -16,12 +16,14 @@ import threading
 import time
 from typing import Any, Callable
 
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.model_set import ModelSet
 from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
+from cluster.engine.groups import Groups
 from cluster.engine.health import ModelHealth
 from cluster.engine.kv_budget import derive_kv_budget
 from cluster.engine.prefill import Prefilling
@@ -43,12 +45,14 @@ class Engine(Prefilling, CallerDriven):
     ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
     engine builds none of it); ``defaults`` holds default strategy options (from the config),
     ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue sizes and KV budget;
-    ``planner`` (optional) picks each step's draft lengths from load.
+    ``planner`` (optional) picks each step's draft lengths from load; ``groups`` (``auto``/``on``/``off``) whether
+    the running rows step in two alternating groups (:mod:`cluster.engine.groups`).
     """
 
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
-                 limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None):
+                 limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None,
+                 groups: str = "off"):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
@@ -58,6 +62,7 @@ class Engine(Prefilling, CallerDriven):
         self.vocab_size = min(m.vocab_size for m in self.models.values())
         self.scheduler = Scheduler(limits)
         self.planner = planner
+        self.groups = Groups(groups)        # two groups, one stepping while the other is drafted ahead
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
         self._fallback = REGISTRY["autoregressive"]({}, self.models, self.target)   # target-only steps
@@ -78,7 +83,7 @@ class Engine(Prefilling, CallerDriven):
         return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
-                   request_timeout_s=spec.request_timeout_s)
+                   request_timeout_s=spec.request_timeout_s, groups=getattr(spec, "groups", "off"))
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
@@ -142,7 +147,7 @@ class Engine(Prefilling, CallerDriven):
         self._recover()
         if joined:
             self._prefill(joined)
-        running = self._runnable(ended)
+        running = self._group(self._runnable(ended), joined)
         self._begin(running)
         ended += self._postprocess(run_rounds(running, self.models, self.target, self._step_of, self.model_down))
         self._release()
@@ -171,6 +176,17 @@ class Engine(Prefilling, CallerDriven):
             seq.emit(seq.accept([]))
             self._end(seq)
             ended.append(seq)
+        return running
+
+    def _group(self, running: list[Sequence], joined: list[Sequence]) -> list[Sequence]:
+        """The rows that step now (:mod:`cluster.engine.groups`); the draft side is told the rows that step next,
+        at their committed sequences and budgets, so it may draft their blocks while the target verifies."""
+        side = self.models.get(DRAFTS)
+        if side is None:
+            return running
+        grouped = self.groups.pays(len(running), side, self.planner, running)
+        running, later = self.groups.split(running, grouped, fresh=joined)
+        side.ahead([(s.rid, list(s.ctx.tokens), s.req.max_new_tokens - len(s.generated)) for s in later])
         return running
 
     def _begin(self, running: list[Sequence]) -> None:

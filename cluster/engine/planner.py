@@ -183,7 +183,7 @@ class Planner:
                 for (d, b), band in sorted(self._bands.items())}
 
     # -- the plan -----------------------------------------------------------------------------------
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         """Whether forward costs are known (measuring them now if a ``measure`` callable is due)."""
         if self.target in self.costs:
             return True
@@ -214,7 +214,7 @@ class Planner:
         if not groups:
             return
         self._plans += 1
-        ready, batch = self._ready(), len(running)
+        ready, batch = self.ready(), len(running)
         for drafter, seqs in groups.items():
             for seq in seqs:
                 self.acceptance.read(seq, drafter)
