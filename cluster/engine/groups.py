@@ -71,16 +71,19 @@ class Groups:
         self.grouped_steps = self.steps = 0
 
     def pays(self, batch: int, side, planner, running) -> bool:
-        """Whether ``batch`` running rows step in two groups: the draft side must draft ahead; ``auto`` decides
+        """Whether ``batch`` running rows step in two groups: the draft side must draft ahead and some row draft
+        (a strategy with a draft length); ``auto`` decides
         once per band from the planner's forward costs (measured now if they were not: a few seconds, once)."""
         if self.mode == "off" or batch < 2 or not getattr(side, "drafts_ahead", False):
+            return False
+        drafting = [s.req.strategy for s in running if getattr(s.req.strategy, "k", 0) > 0]
+        if not drafting:                               # nothing to draft ahead (autoregressive rows)
             return False
         if self.mode == "on":
             return True
         band = band_of(batch)
         if band not in self.decided:
-            drafting = [s.req.strategy for s in running if getattr(s.req.strategy, "k", 0) > 0]
-            if planner is None or not drafting or not planner.ready():
+            if planner is None or not planner.ready():
                 return False
             k = max(1, min(getattr(st, "k", 1) for st in drafting))
             drafter = getattr(drafting[0], "drafter", None) or ""

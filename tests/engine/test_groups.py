@@ -84,6 +84,8 @@ def test_auto_decides_per_band_from_the_forward_costs():
     assert not g.pays(32, side, planner, running) and g.pays(16, side, planner, running)
     assert not Groups("on").pays(16, SimpleNamespace(drafts_ahead=False), planner, running)
     assert not Groups("off").pays(16, side, planner, running)
+    plain = [SimpleNamespace(req=SimpleNamespace(strategy=SimpleNamespace()))] * 16     # autoregressive rows
+    assert not Groups("on").pays(16, side, planner, plain)
 
 
 # -- exact laws ------------------------------------------------------------------------------------
