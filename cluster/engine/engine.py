@@ -147,7 +147,7 @@ class Engine(Prefilling, CallerDriven):
         self._recover()
         if joined:
             self._prefill(joined)
-        running = self._group(self._runnable(ended), joined)
+        running = self._group(self._runnable(ended), joined, now)
         self._begin(running)
         ended += self._postprocess(run_rounds(running, self.models, self.target, self._step_of, self.model_down))
         self._release()
@@ -178,14 +178,14 @@ class Engine(Prefilling, CallerDriven):
             ended.append(seq)
         return running
 
-    def _group(self, running: list[Sequence], joined: list[Sequence]) -> list[Sequence]:
+    def _group(self, running: list[Sequence], joined: list[Sequence], now: float) -> list[Sequence]:
         """The rows that step now (:mod:`cluster.engine.groups`); the draft side is told the rows that step next,
         at their committed sequences and budgets, so it may draft their blocks while the target verifies."""
         side = self.models.get(DRAFTS)
         if side is None:
             return running
         grouped = self.groups.pays(len(running), side, self.planner, running)
-        running, later = self.groups.split(running, grouped, fresh=joined)
+        running, later = self.groups.split(running, grouped, fresh=joined, now=now)
         side.ahead([(s.rid, list(s.ctx.tokens), s.req.max_new_tokens - len(s.generated)) for s in later])
         return running
 
@@ -239,9 +239,11 @@ class Engine(Prefilling, CallerDriven):
             self._observe(time.perf_counter())
 
     def _observe(self, now: float) -> None:
-        """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
+        """Tell the groups (:mod:`cluster.engine.groups`) that the last step ended, and the planner the wall time of
+        the last planned step: from its plan to the start of the next step
         (all the loop spends per step: emitting, flushing, served per-chunk streaming -- once per token when
         decoding plainly, once per block when speculating), or to its end when nothing was left running."""
+        self.groups.observe(now)
         if self._planned_at is not None:
             self.planner.observe(now - self._planned_at)
             self._planned_at = None

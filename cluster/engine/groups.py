@@ -19,18 +19,24 @@ differ by more than one, the latest joined rows of the larger move over.  With o
 group and every row steps every step, as without groups.
 
 When grouping pays is decided here only (:meth:`Groups.pays`): ``engine.groups`` ``off`` never, ``on`` whenever
-the draft side drafts ahead and two rows run, ``auto`` per batch-size band (:data:`cluster.engine.arms.BANDS`)
-from the planner's measured forward costs (:mod:`cluster.engine.measure`; :func:`grouped_gain`).
+the draft side drafts ahead and two drafting rows run, ``auto`` per batch-size band (:data:`cluster.engine.arms.BANDS`)
+from measured step costs: each arm's committed tokens per second of engine step in that band, tried in turn
+(closed loop, as the planner's arms: :mod:`cluster.engine.planner`), where the planner's forward-cost tables
+(:mod:`cluster.engine.measure`, :func:`grouped_gain`) do not already rule it out.  Why measured and not modelled
+alone: what decides is whether the second core is spare -- the tables, measured one model at a time, cannot see
+the speculator's drafting slow the target's verification down when it is not (docs/cluster.md, "Two groups").
 """
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
+from dataclasses import dataclass, field
 
 from cluster.core.cost_model import expected_tokens
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.forward_cost import ForwardCost, step_seconds
-from cluster.engine.arms import BANDS, band_of
+from cluster.engine.arms import band_of
 
 log = logging.getLogger("specserve.groups")
 
@@ -57,23 +63,57 @@ def grouped_gain(costs: dict[str, ForwardCost], target: str, drafter: str, batch
     return grouped / whole
 
 
+@dataclass
+class _Band:
+    """``auto``'s state for one drafter in one batch-size band: per arm (False: one group, True: two) the recent steps' committed
+    tokens and seconds; the arm in use, and a trial's arm and steps left."""
+
+    samples: dict = field(default_factory=lambda: {False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)})
+    best: bool = False
+    trying: bool | None = None
+    left: int = 0
+    steps: int = 0
+    next_trial: int = 0
+    interval: int = 0
+    ruled_out: bool = False            # the cost tables say two groups cannot pay here (a free drafter)
+
+    def rate(self, arm: bool) -> float:
+        got = self.samples[arm]
+        seconds = sum(s for _, s in got)
+        return sum(t for t, _ in got) / seconds if seconds > 0 else 0.0
+
+
+WINDOW = 32        # steps per arm and band whose goodput counts
+TRIAL = 12         # steps of a trial of an arm (its first step, a switch, gives no sample)
+RETRY = 256        # steps in a band before the arm not in use is tried again (doubling while it loses)
+
+
 class Groups:
     """Which running rows step now (see the module docstring).  ``mode``: ``auto`` | ``on`` | ``off``;
-    ``margin``: the modelled gain ``auto`` asks of grouping (timing noise in the cost tables)."""
+    ``margin``: the measured gain in goodput ``auto`` asks of two groups over one (timing noise).
 
-    def __init__(self, mode: str = "off", *, margin: float = 0.10):
+    ``auto`` per (drafter, band), as the planner's arms: a band's first steps try one group, then two (``TRIAL`` steps each), and keep the arm of
+    the higher goodput (committed tokens per second of engine step, over the last ``WINDOW`` steps of each arm,
+    the first step after a switch left out); the other arm is tried again after ``RETRY`` steps of the band,
+    the interval doubling while it loses.  Where the planner's forward-cost tables are already measured and model
+    no gain (:func:`grouped_gain` <= 1: a drafter that costs nothing, as Max-Gram), two groups are not tried."""
+
+    def __init__(self, mode: str = "off", *, margin: float = 0.05):
         if mode not in GROUPING:
             raise ValueError(f"Groups: mode must be one of {GROUPING}, got {mode!r}")
         self.mode, self.margin = mode, margin
         self._of: dict[str, int] = {}                  # rid -> its group (0 or 1), in joining order
         self.turn = 0                                  # the group that steps next
-        self.decided: dict[int, bool] = {}             # band -> whether grouping pays there (auto)
+        self.bands: dict[int, _Band] = {}
         self.grouped_steps = self.steps = 0
+        self._step: tuple | None = None                # the last step: ((drafter, band), arm, start, [(seq, generated)], switched)
+        self._last_arm: bool | None = None
+        self._key: tuple | None = None                 # the (drafter, band) of the last ``auto`` decision
 
     def pays(self, batch: int, side, planner, running) -> bool:
         """Whether ``batch`` running rows step in two groups: the draft side must draft ahead and some row draft
-        (a strategy with a draft length); ``auto`` decides
-        once per band from the planner's forward costs (measured now if they were not: a few seconds, once)."""
+        (a strategy with a draft length); ``on``: then always; ``auto``: as the band's measurements say."""
+        self._key = None
         if self.mode == "off" or batch < 2 or not getattr(side, "drafts_ahead", False):
             return False
         drafting = [s.req.strategy for s in running if getattr(s.req.strategy, "k", 0) > 0]
@@ -81,19 +121,53 @@ class Groups:
             return False
         if self.mode == "on":
             return True
-        band = band_of(batch)
-        if band not in self.decided:
-            if planner is None or not planner.ready():
-                return False
-            k = max(1, min(getattr(st, "k", 1) for st in drafting))
-            drafter = getattr(drafting[0], "drafter", None) or ""
-            gain = grouped_gain(planner.costs, planner.target, drafter, batch, k, planner.alpha(drafter))
-            self.decided[band] = gain > 1.0 + self.margin
-            log.info("two groups in band %s: modelled gain %.2f -> %s", BANDS[band], gain,
-                     "on" if self.decided[band] else "off")
-        return self.decided[band]
+        drafter = getattr(drafting[0], "drafter", None) or ""
+        b = self.bands.setdefault((drafter, band_of(batch)), _Band(interval=RETRY))
+        self._key = (drafter, band_of(batch))
+        if not b.steps and planner is not None and planner.costs.get(planner.target) is not None:
+            k = max(1, min(st.k for st in drafting))
+            b.ruled_out = grouped_gain(planner.costs, planner.target, drafter, batch, k, planner.alpha(drafter)) <= 1
+        b.steps += 1
+        if b.ruled_out:
+            return False
+        if b.trying is not None and b.left > 0:
+            b.left -= 1
+            return b.trying
+        if b.trying is not None:                       # a trial ended: keep the better arm
+            self._decide(b)
+        want = next((arm for arm in (False, True) if len(b.samples[arm]) < TRIAL // 2), None)
+        if want is None and b.steps >= b.next_trial:
+            want = not b.best
+        if want is not None:
+            b.trying, b.left = want, TRIAL - 1
+            return want
+        return b.best
 
-    def split(self, running: list, grouped: bool, fresh=()) -> tuple[list, list]:
+    def _decide(self, b: _Band) -> None:
+        tried, b.trying = b.trying, None
+        before = b.best
+        if b.samples[False] and b.samples[True]:
+            b.best = b.rate(True) > b.rate(False) * (1.0 + self.margin)
+        if tried != before and b.best == before and len(b.samples[tried]) >= TRIAL // 2:
+            b.interval = min(b.interval * 2, RETRY * 16)   # the other arm lost again: try it more rarely
+        elif b.best != before:
+            b.interval = RETRY
+        b.next_trial = b.steps + b.interval
+        log.info("two groups: %.0f tok/s with, %.0f without -> %s", b.rate(True), b.rate(False),
+                 "on" if b.best else "off")
+
+    def observe(self, now: float) -> None:
+        """The last step ended at ``now`` (the engine's clock, as the planner's): its committed tokens per second
+        become a sample of its arm in its band, unless it switched arms."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        key, arm, start, rows, switched = step
+        tokens = sum(len(s.generated) - n for s, n in rows)
+        if not switched and now > start and tokens > 0 and key in self.bands:
+            self.bands[key].samples[arm].append((tokens, now - start))
+
+    def split(self, running: list, grouped: bool, fresh=(), now: float | None = None) -> tuple[list, list]:
         """-> (the rows that step now, the rows that step next).  Assigns joining rows, forgets the rows that
         left, rebalances; without ``grouped`` every row steps now.  ``fresh`` rows (joined this step) step now
         whatever their group: their first step is the target's alone (:mod:`cluster.engine.prefill`), so the
@@ -107,6 +181,10 @@ class Groups:
                 self._of[s.rid] = 0 if sizes[0] < sizes[1] else 1 if sizes[1] < sizes[0] else self.turn
         self._rebalance()
         self.steps += 1
+        if now is not None and running:
+            self._step = (self._key, grouped, now, [(s, len(s.generated)) for s in running],
+                          self._last_arm is not None and self._last_arm != grouped)
+            self._last_arm = grouped
         if not grouped:
             return list(running), []
         now = [s for s in running if self._of[s.rid] == self.turn]

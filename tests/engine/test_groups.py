@@ -67,25 +67,58 @@ def test_one_row_or_grouping_off_steps_every_row_and_fresh_rows_step_at_once():
         Groups("sometimes")
 
 
-def test_auto_decides_per_band_from_the_forward_costs():
-    """A target whose verification of k + 1 tokens costs its rows' tokens (compute bound) and a drafter whose k
-    forwards cost as much: two groups hide the drafting and model ~2x; a free drafter gives them nothing."""
+def test_the_cost_tables_model_the_gain_of_hiding_the_drafting():
+    """A target whose verification costs its rows' tokens (compute bound) and a drafter whose k forwards cost as
+    much: two groups hide the drafting and model 2x; a free drafter gives them nothing."""
     target = ForwardCost({(r, t): 1e-3 * r * t for r in (1, 2, 4, 8, 16, 32) for t in (1, 2, 3, 4, 5)})
     drafter = ForwardCost({(r, 1): 1e-3 * r * 5 / 4 for r in (1, 2, 4, 8, 16, 32)})
     assert grouped_gain({"t": target, "d": drafter}, "t", "d", 32, 4, 0.8) == pytest.approx(2.0)
     assert grouped_gain({"t": target}, "t", "d", 32, 4, 0.8) == pytest.approx(1.0)
     assert grouped_gain({"t": target, "d": drafter}, "t", "d", 1, 4, 0.8) == 0.0
-    planner = SimpleNamespace(costs={"t": target, "d": drafter}, target="t", alpha=lambda d: 0.8, ready=lambda: True)
-    side = SimpleNamespace(drafts_ahead=True)
-    running = [SimpleNamespace(req=SimpleNamespace(strategy=SimpleNamespace(k=4, drafter="d")))] * 16
+    planner = SimpleNamespace(costs={"t": target}, target="t", alpha=lambda d: 0.8)
     g = Groups("auto")
-    assert g.pays(16, side, planner, running) and g.decided == {4: True}
-    planner.costs = {"t": target}                      # decided once per band: a new band reads the new costs
-    assert not g.pays(32, side, planner, running) and g.pays(16, side, planner, running)
-    assert not Groups("on").pays(16, SimpleNamespace(drafts_ahead=False), planner, running)
-    assert not Groups("off").pays(16, side, planner, running)
-    plain = [SimpleNamespace(req=SimpleNamespace(strategy=SimpleNamespace()))] * 16     # autoregressive rows
-    assert not Groups("on").pays(16, side, planner, plain)
+    assert not any(g.pays(16, SimpleNamespace(drafts_ahead=True), planner, _drafting(16)) for _ in range(50))
+    assert g.bands["d", 4].ruled_out                        # a free drafter: never tried
+
+
+def _drafting(n):
+    return [SimpleNamespace(rid=f"r{i}", generated=[], req=SimpleNamespace(strategy=SimpleNamespace(k=4, drafter="d")))
+            for i in range(n)]
+
+
+def _drive(g: Groups, rows, steps: int, cost) -> list[bool]:
+    """``steps`` engine steps of ``rows`` under ``g``; ``cost(grouped, n)`` -> (tokens per row, seconds) of a step
+    of n rows.  -> the arm of each step."""
+    side, t, arms = SimpleNamespace(drafts_ahead=True), 0.0, []
+    for _ in range(steps):
+        g.observe(t)
+        grouped = g.pays(len(rows), side, None, rows)
+        now, _ = g.split(rows, grouped, now=t)
+        per_row, seconds = cost(grouped, len(now))
+        for s in now:
+            s.generated += [0] * per_row
+        t += seconds
+        arms.append(grouped)
+    return arms
+
+
+def test_auto_tries_both_arms_per_band_and_keeps_the_faster():
+    """Measured goodput decides: where two groups step twice the tokens per second they stay on (the one-group arm
+    retried ever more rarely); where they are slower, off after one trial."""
+    rows = _drafting(16)
+    fast = _drive(Groups("auto"), rows, 400, lambda grouped, n: (4, 0.01 * n / 8) if grouped else (3, 0.03))
+    assert not any(fast[:12]) and all(fast[12:24])            # one group first, then a trial of two
+    assert sum(fast[24:]) > 0.9 * len(fast[24:])              # kept on; one group retried now and then
+    g = Groups("auto")
+    slow = _drive(g, rows, 400, lambda grouped, n: (4, 0.04 * n / 8) if grouped else (3, 0.03))
+    assert all(slow[12:24]) and not any(slow[24:24 + 256 - 30])
+    assert g.bands["d", 4].best is False and sum(slow) <= 3 * 12
+    assert g.bands["d", 4].interval > 256                          # it lost again: tried more rarely
+    mode_on = _drive(Groups("on"), _drafting(16), 5, lambda grouped, n: (1, 0.01))
+    assert all(mode_on) and not any(_drive(Groups("off"), _drafting(16), 5, lambda grouped, n: (1, 0.01)))
+    plain = [SimpleNamespace(rid="a", generated=[], req=SimpleNamespace(strategy=SimpleNamespace()))] * 16
+    assert not Groups("on").pays(16, SimpleNamespace(drafts_ahead=True), None, plain)    # autoregressive rows
+    assert not Groups("on").pays(16, SimpleNamespace(drafts_ahead=False), None, rows)    # nothing drafts ahead
 
 
 # -- exact laws ------------------------------------------------------------------------------------
