@@ -84,8 +84,9 @@ class EngineSpec:
     overlap: str = "auto"
     # two groups (cluster/engine/groups.py): the running rows step in two alternating groups while the far
     # speculator drafts the other group's next blocks (the speculator topology; elsewhere nothing changes):
-    # auto = per batch-size band where the measured forward costs say it pays, on = from two rows, off = never
-    groups: str = "auto"
+    # auto = per drafter and batch-size band where measured goodput says it pays, on = whenever two drafting rows
+    # run, off = never (the default: on this 2-core machine two groups measured slower, docs/cluster.md)
+    groups: str = "off"
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
