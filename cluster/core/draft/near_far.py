@@ -13,6 +13,9 @@ Each ``draft_batch``: read the speculator's answers that have arrived (never wai
 counts as ``late`` and the step drafts near); per request take the block drafted from exactly the committed
 sequence (a hit), else draft near (the near drafters catch up on the tokens they missed with their first forward,
 as after a plain step); then send the speculator the blocks about to be verified (one message, nothing awaited).
+With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
+step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
+(``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
 A late or dead speculator leaves colocated speed.  Lossless: every block, near or far, is a draw of the draft
 program at the exact committed sequence it is verified against, with the distribution it was drawn from, made
 independently of the target's draws (:mod:`cluster.core.draft.cache`).  Only greedy requests are speculated unless
