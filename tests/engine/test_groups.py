@@ -22,6 +22,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    greedy_vs_plain,
     local_engine,
     max_abs_diff,
     target_joint,
@@ -180,11 +181,8 @@ def test_greedy_outputs_in_two_groups_equal_plain_decoding(seed_d):
     prompts = [[1, 2], [3], [4, 0, 1], [2], [0, 0], [1, 3, 4], [2, 2], [4]]
     reqs = [dict(prompt_ids=p, max_new_tokens=8 + 5 * i, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
             for i, p in enumerate(prompts)]
-    want = [r.token_ids for r in plain.generate_many([GenerationRequest(strategy="autoregressive", **q)
-                                                      for q in reqs])]
-    got = engine.generate_many([GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **q)
-                                for q in reqs])
-    assert [r.token_ids for r in got] == want
+    got, want = greedy_vs_plain(engine, plain, reqs, {"drafter": "d", "k": 4})
+    assert got == want
     c = side.counters
     assert engine.groups.grouped_steps > 0 and c.hits["known"] > 0 and c.late == 0
     if seed_d == 9:                                     # the drafter is the target: only the first steps miss
