@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cluster.config.schema import load_config
 from cluster.core.draft.cache import FanOut
 from cluster.core.draft.near_far import LocalLink, NearFarSide
 from cluster.core.draft.programs import DRAFTS
@@ -18,6 +19,8 @@ from cluster.core.forward_cost import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.groups import Groups, grouped_gain
 from cluster.engine.request import GenerationRequest
+from cluster.engine.scheduler import Limits
+from cluster.local import build_engine
 from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
@@ -174,7 +177,6 @@ def test_greedy_outputs_in_two_groups_equal_plain_decoding(seed_d):
     equal the target's; with a drafter equal to the target every block drafted ahead in time is a ``known`` hit."""
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=seed_d)
     side = _side({"d": d}, {"d": TabularModel("d", 5, seed=seed_d)})
-    from cluster.engine.scheduler import Limits
     engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5), groups="on",
                           limits=Limits(max_batch=4))
     plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
@@ -193,8 +195,6 @@ def test_greedy_outputs_in_two_groups_equal_plain_decoding(seed_d):
 def test_real_models_in_two_groups_equal_autoregressive(tiny_engine):
     """configs/tiny.yaml in-process with the speculator topology's near-far side (a LocalLink): greedy outputs of
     every drafting strategy, batched, in two groups, equal autoregressive's."""
-    from cluster.config.schema import load_config
-    from cluster.local import build_engine
     cfg = load_config("configs/tiny.yaml")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, groups="on"))
     engine = build_engine(cfg, speculator=True)
