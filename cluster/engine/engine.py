@@ -72,6 +72,7 @@ class Engine(Prefilling, CallerDriven):
         self._ended: list[Sequence] = []    # ended this step: still live until the step's flush released them
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
         self._planned_at: float | None = None   # when the last planned step began, while its period runs
+        self._resting: list[Sequence] = []   # running requests not stepping this step (the other group)
 
     @classmethod
     def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec, planner=None) -> "Engine":
@@ -185,8 +186,8 @@ class Engine(Prefilling, CallerDriven):
         if side is None:
             return running
         grouped = self.groups.pays(len(running), side, self.planner, running)
-        running, later = self.groups.split(running, grouped, fresh=joined, now=now)
-        side.ahead([(s.rid, list(s.ctx.tokens), s.req.max_new_tokens - len(s.generated)) for s in later])
+        running, self._resting = self.groups.split(running, grouped, fresh=joined, now=now)
+        side.ahead([(s.rid, list(s.ctx.tokens), s.req.max_new_tokens - len(s.generated)) for s in self._resting])
         return running
 
     def _begin(self, running: list[Sequence]) -> None:
@@ -198,7 +199,7 @@ class Engine(Prefilling, CallerDriven):
         for seq in running:
             seq.begin_step()
         if self.planner is not None:
-            self.planner.plan(running, stuck=self.stuck)
+            self.planner.plan(running, stuck=self.stuck, resting=self._resting)
             self._planned_at = time.perf_counter()      # the drafters' late prefill is part of the step's cost
             self._prefill_drafting(running)
 

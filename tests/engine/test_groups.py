@@ -18,6 +18,7 @@ from cluster.core.draft.speculator import Speculator
 from cluster.core.forward_cost import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.groups import Groups, grouped_gain
+from cluster.engine.planner import Planner
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits
 from cluster.local import build_engine
@@ -210,3 +211,23 @@ def test_real_models_in_two_groups_equal_autoregressive(tiny_engine):
     for strategy in ("speculative", "cs_drafting"):
         assert run(engine, strategy) == want, strategy
     assert engine.groups.grouped_steps > 0 and engine.models[DRAFTS].counters.hits["known"] > 0
+
+
+def test_the_planner_keeps_the_resting_groups_acceptance_live():
+    """Load-aware requests in two groups: the group that does not step is passed to the planner as resting, so its
+    acceptance counts are not folded into the drafter's totals (and counted again) every other step."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
+    side = _side({"d": d}, {"d": TabularModel("d", 5, seed=40)})
+    costs = {"target": ForwardCost({(r, t): 1e-3 * t for r in (1, 32) for t in (1, 5)})}
+    planner = Planner(costs, "target")
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5), groups="on", planner=planner)
+    plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
+    reqs = [dict(prompt_ids=p, max_new_tokens=24, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
+            for i, p in enumerate(([1, 2], [3], [4, 0, 1], [2]))]
+    seen = []
+    retire = planner.acceptance.retire
+    planner.acceptance.retire = lambda live: (seen.append(sum(k not in live for k in planner.acceptance._tracks)),
+                                              retire(live))
+    got, want = greedy_vs_plain(engine, plain, reqs, {"drafter": "d", "k": 4, "plan": "load_aware"})
+    assert got == want and engine.groups.grouped_steps > 0
+    assert sum(seen) <= len(reqs)                      # each request retired at most once: when it left
