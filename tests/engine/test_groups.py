@@ -8,8 +8,9 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from cluster.config.schema import load_config
+from cluster.config.schema import config_from_dict, load_config
 from cluster.core.draft.cache import FanOut
 from cluster.core.draft.near_far import LocalLink, NearFarSide
 from cluster.core.draft.programs import DRAFTS
@@ -21,6 +22,7 @@ from cluster.engine.groups import Groups, grouped_gain
 from cluster.engine.planner import Planner
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Limits
+from cluster.errors import ConfigError
 from cluster.local import build_engine
 from tests.support.exact import (
     TabularModel,
@@ -231,3 +233,19 @@ def test_the_planner_keeps_the_resting_groups_acceptance_live():
     got, want = greedy_vs_plain(engine, plain, reqs, {"drafter": "d", "k": 4, "plan": "load_aware"})
     assert got == want and engine.groups.grouped_steps > 0
     assert sum(seen) <= len(reqs)                      # each request retired at most once: when it left
+
+
+@pytest.mark.parametrize("value,want", [("auto", "auto"), ("on", "on"), ("off", "off"), (True, "on"), (False, "off"),
+                                        ("sometimes", None), (2, None)])
+def test_engine_groups_is_validated_in_the_config(value, want):
+    """``engine.groups`` takes auto | on | off (a bare YAML on / off, read as a boolean, means the same) and a bad
+    value is a one-line error naming the key, the choices and the value."""
+    data = yaml.safe_load(open("configs/tiny.yaml"))
+    data["engine"] = {**data.get("engine", {}), "groups": value}
+    if want is not None:
+        assert config_from_dict(data).engine.groups == want
+        return
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert "engine.groups" in str(e.value) and str(value) in str(e.value)
+    assert "auto, on, off" in str(e.value) or "expected str" in str(e.value)
