@@ -161,7 +161,7 @@ def hop_columns(t: dict | None) -> dict:
 
 def cache_columns(c: dict) -> dict:
     """The speculation cache's counters (``CacheCounters`` as a dict, the ``speculator`` topology) -> the share of
-    speculative steps served from the cache, by branch kind, late answers, wasted draft tokens per step, the fan-out
+    speculative steps served from the cache, by branch kind (``known``: the engine's two groups), late answers, wasted draft tokens per step, the fan-out
     (branches per fill), and the coordinator's time per draft call when every block was a hit (its whole cost:
     no drafting) and over all calls; ``raced_share``: steps served by a late answer that came while near drafted
     (counted in the hits too), ``raced_near``: near drafting rounds done before it came, per such step; {} without
@@ -169,9 +169,10 @@ def cache_columns(c: dict) -> dict:
     n = c.get("steps", 0)
     if not n:
         return {}
-    hits = c["hits_bonus"] + c["hits_reject"]
+    hits = c["hits_bonus"] + c["hits_reject"] + c.get("hits_known", 0)
     return {"cache_steps": n, "cache_hit_share": round(hits / n, 3), "hit_bonus": round(c["hits_bonus"] / n, 3),
-            "hit_reject": round(c["hits_reject"] / n, 3), "late_share": round(c["late"] / n, 3),
+            "hit_reject": round(c["hits_reject"] / n, 3), "hit_known": round(c.get("hits_known", 0) / n, 3),
+            "late_share": round(c["late"] / n, 3),
             "wasted_per_step": round(c["wasted"] / n, 2), "fanout": round(c["rows"] / c["fills"], 2) if c["fills"] else 0,
             "hit_call_ms": round(1e3 * c["hit_s"] / c["hit_calls"], 3) if c["hit_calls"] else None,
             "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None,

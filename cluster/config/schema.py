@@ -82,6 +82,11 @@ class EngineSpec:
     # auto = where the draft side has a process of its own (the separated topology), on = also in-process
     # (no concurrency there: for tests), off = never
     overlap: str = "auto"
+    # two groups (cluster/engine/groups.py): the running rows step in two alternating groups while the far
+    # speculator drafts the other group's next blocks (the speculator topology; elsewhere nothing changes):
+    # auto = per drafter and batch-size band where measured goodput says it pays, on = whenever two drafting rows
+    # run, off = never (the default: on this 2-core machine two groups measured slower, docs/cluster.md)
+    groups: str = "off"
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
@@ -110,6 +115,7 @@ class EngineSpec:
             raise ConfigError(f"{path}.device_memory_gib: must be in (0, 1048576] (or null: detected), "
                               f"got {self.device_memory_gib}")
         check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)
+        check_config_choice(f"{path}.groups", self.groups, OVERLAP)
         check_config_choice(f"{path}.strategy", self.strategy, sorted(REGISTRY))
         if self.max_new_tokens_limit < 1:
             raise ConfigError(f"{path}.max_new_tokens_limit: must be >= 1, got {self.max_new_tokens_limit}")

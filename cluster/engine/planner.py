@@ -183,7 +183,7 @@ class Planner:
                 for (d, b), band in sorted(self._bands.items())}
 
     # -- the plan -----------------------------------------------------------------------------------
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         """Whether forward costs are known (measuring them now if a ``measure`` callable is due)."""
         if self.target in self.costs:
             return True
@@ -201,20 +201,22 @@ class Planner:
             self._retry_at = self._plans + self.retry_every
             return False
 
-    def plan(self, running, stuck=None) -> None:
+    def plan(self, running, stuck=None, resting=()) -> None:
         """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware, but those that
         ``stuck(seq)`` says step target-only whatever is planned (a model down).  A request whose drafters
-        hold no state yet is planned too: the engine prefills them only when it drafts."""
+        hold no state yet is planned too: the engine prefills them only when it drafts.  ``resting``: running
+        requests that do not step now (the engine's other group, :mod:`cluster.engine.groups`): still live, so
+        their acceptance counts are not retired."""
         self._settle()
         groups: dict[str, list] = {}
         for seq in running:
             if is_planned(seq) and not (stuck is not None and stuck(seq)):
                 groups.setdefault(seq.req.strategy.drafter, []).append(seq)
-        self.acceptance.retire({id(s) for g in groups.values() for s in g})
+        self.acceptance.retire({id(s) for g in groups.values() for s in g} | {id(s) for s in resting})
         if not groups:
             return
         self._plans += 1
-        ready, batch = self._ready(), len(running)
+        ready, batch = self.ready(), len(running)
         for drafter, seqs in groups.items():
             for seq in seqs:
                 self.acceptance.read(seq, drafter)

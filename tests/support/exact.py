@@ -303,3 +303,12 @@ def mixed_batch(engine, sampling, want_greedy: dict, max_new: int = 5, k: int = 
     out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
     assert out[1] in want_greedy
     return out[0]
+
+
+def greedy_vs_plain(engine, plain, reqs: list[dict], options: dict) -> tuple[list, list]:
+    """(token ids of ``reqs`` -- dicts of :class:`GenerationRequest` fields -- through ``engine`` with strategy
+    speculative and ``options``, the same through ``plain`` autoregressive), batched in each."""
+    from cluster.engine.request import GenerationRequest
+    got = engine.generate_many([GenerationRequest(strategy="speculative", options=options, **q) for q in reqs])
+    want = plain.generate_many([GenerationRequest(strategy="autoregressive", **q) for q in reqs])
+    return [r.token_ids for r in got], [r.token_ids for r in want]

@@ -21,6 +21,10 @@ that prefix, made independently of the target's draws, whichever branch the targ
 bet came true (Laplace), best first, at most ``rows`` branches per fill, each at most ``depth`` tokens; both fall
 when the speculator's answer came late (the spare core is busy: an answer must arrive within one verification)
 and rise again while answers are in time.
+
+A ``known`` entry bets on nothing: the engine steps its rows in two groups (:mod:`cluster.engine.groups`) and asks
+for the next block of each row of the group that does not step now, from its committed sequence; it is a hit
+whenever it arrives in time.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from typing import NamedTuple
 
 from cluster.core.draft.programs import DraftBlock, DraftSpec
 
-KINDS = ("bonus", "reject")
+KINDS = ("bonus", "reject", "known")
+KNOWN = ("known", -1, 0)     # the key of a block drafted from a committed sequence (no bet: the engine's two groups)
 
 
 class Branch(NamedTuple):

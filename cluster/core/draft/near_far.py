@@ -13,6 +13,9 @@ Each ``draft_batch``: read the speculator's answers that have arrived (never wai
 counts as ``late`` and the step drafts near); per request take the block drafted from exactly the committed
 sequence (a hit), else draft near (the near drafters catch up on the tokens they missed with their first forward,
 as after a plain step); then send the speculator the blocks about to be verified (one message, nothing awaited).
+With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
+step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
+(``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
 A late or dead speculator leaves colocated speed.  Lossless: every block, near or far, is a draw of the draft
 program at the exact committed sequence it is verified against, with the distribution it was drawn from, made
 independently of the target's draws (:mod:`cluster.core.draft.cache`).  Only greedy requests are speculated unless
@@ -24,7 +27,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from cluster.core.draft.cache import Entry, FanOut, SpeculationCache
+from cluster.core.draft.cache import KNOWN, Entry, FanOut, SpeculationCache
 from cluster.core.draft.programs import DRAFTS, DraftBlock
 from cluster.core.draft.race import Race
 from cluster.core.draft.side import DraftSide
@@ -84,6 +87,8 @@ class NearFarSide(BatchedHandle):
         self._sent, self._sent_at = 0, 0.0             # the last fill's id (0: none) and when it left
         self._waiting: list[str] = []                  # the requests of a fill whose answer has not arrived
         self._released: list[str] = []
+        self._ahead: list[tuple] = []                  # the other group's requests (ahead), for this step's fill
+        self._last: dict[str, tuple] = {}              # rid -> (spec, limit) of its last draft call
 
     @property
     def counters(self):
@@ -107,6 +112,7 @@ class NearFarSide(BatchedHandle):
     def release(self, rid: str) -> None:
         self.near.release(rid)
         self.cache.drop(rid)
+        self._last.pop(rid, None)
         self._released.append(rid)
         if rid in self._waiting:                      # its answer can no longer be used (nor be late)
             self._waiting.remove(rid)
@@ -192,11 +198,19 @@ class NearFarSide(BatchedHandle):
             self.cache.counters.late_fills += 1
 
     def _send(self, items: list[tuple], out: list) -> None:
+        for rid, spec, limit, _ in items:
+            self._last[rid] = (spec, limit)
+        known = self._known()
+        if known:                                      # the other group's next blocks: no bets this step
+            if self.link.up:
+                self._fill(known, [KNOWN], max(it.limit for it in known))
+            else:
+                self._released = []
+            return
         fill_items = []
         for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
             st = self.near.request(rid)
-            if isinstance(block, DraftBlock) and block.tokens and (self.sampled or st.sampling.greedy) and \
-                    getattr(st.sampling, "constraint", None) is None:      # a grammar's state stays here
+            if isinstance(block, DraftBlock) and block.tokens and self._speculated(st):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
                                            limit, budget, block.alts))
         if not self.link.up:
@@ -207,9 +221,43 @@ class NearFarSide(BatchedHandle):
         length = max((len(it.block) for it in fill_items), default=0)
         f = self.fanout
         f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
+        self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth))
+
+    def _speculated(self, st) -> bool:
+        """Whether a request's blocks are drafted far: greedy ones (any, with ``sampled``), without a grammar
+        (its state stays here)."""
+        return (self.sampled or st.sampling.greedy) and getattr(st.sampling, "constraint", None) is None
+
+    def _fill(self, items: list[FillItem], keys: list, depth: int) -> None:
         self._sent += 1
-        fill = Fill(self._sent, fill_items, f.keys(length), self._released, min(f.depth, f.max_depth))
+        fill = Fill(self._sent, items, keys, self._released, depth)
         self._released = []
         if self.link.send(fill):
-            self._waiting = [it.rid for it in fill_items]
+            self._waiting = [it.rid for it in items]
             self._sent_at = time.perf_counter()
+
+    # -- two groups: the other group's next blocks, from their committed sequences ----------------------
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.link.up
+
+    def ahead(self, items: list[tuple[str, list[int], int]]) -> None:
+        """The requests that step next (the engine's other group), ``(rid, committed sequence, budget)``: this
+        step's fill asks the speculator for their next blocks (:data:`KNOWN` entries) instead of bets."""
+        self._ahead = list(items)
+
+    def _known(self) -> list[FillItem]:
+        """Fill items for the requests named by :meth:`ahead` that drafted before (the spec and draft length of
+        their last step are their next step's), at most their budget less the bonus token."""
+        ahead, self._ahead = self._ahead, []
+        live = set(self.near.active_requests())
+        out = []
+        for rid, seq, budget in ahead:
+            if rid not in live or rid not in self._last:
+                continue
+            spec, limit = self._last[rid]
+            st = self.near.request(rid)
+            limit = min(limit, budget - 1)
+            if limit >= 1 and self._speculated(st):
+                out.append(FillItem(rid, list(seq), st.sampling, st.seed, spec, [], limit, budget, known=True))
+        return out

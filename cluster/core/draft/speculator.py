@@ -11,7 +11,8 @@ rows.  The bonus branch continues the block itself and drafts one token more: it
 bonus, the rest its block (PEARL's pre-draft).  A branch is a request ``rid|i`` of that side, kept between fills:
 moving it to its next bet is one rollback to the common prefix and one extend (the drafters' caches are cropped,
 not refilled).  Blocks are at most ``Fill.depth`` tokens (the fan-out's choice: an answer must come within one
-verification).
+verification).  A ``known`` item bets on nothing: its sequence is the one its request's next step drafts from (the
+engine's other group, :mod:`cluster.engine.groups`), drafted ``limit`` deep as branch ``rid|k``.
 
 ``stop`` (asked between drafting rounds): a newer fill has arrived, give up.  Blocks are drawn from the
 speculator's own random streams, independent of the target's draws; a block is only used for the exact sequence
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.core.draft.cache import Entry, candidates
+from cluster.core.draft.cache import KNOWN, Entry, candidates
 from cluster.core.draft.programs import DraftBlock, DraftSpec
 from cluster.core.draft.side import DraftSide
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
@@ -40,6 +41,7 @@ class FillItem:
     limit: int                   # the step's draft length (the next step asks the same)
     budget: int                  # tokens the request may still emit this step
     alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
+    known: bool = False          # ``seq`` is the request's next step's sequence (no block, no bets): draft ``limit``
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Reply:
     compute_s: float = 0.0                  # the speculator's seconds on this fill (set by its host)
 
 
-def _branch_rid(rid: str, i: int) -> str:
+def _branch_rid(rid: str, i: int | str) -> str:
     return f"{rid}|{i}"
 
 
@@ -81,12 +83,17 @@ class Speculator:
     def fill(self, fill: Fill, stop=None) -> Reply:
         for rid in fill.released:
             self.release(rid)
-        items = [it for it in fill.items if it.block]
+        items = [it for it in fill.items if it.block or it.known]
         if not items or not fill.keys:
             return Reply(fill.id, {})
         per = max(1, len(fill.keys) // len(items))
         runs, where = [], []
         for it in items:
+            if it.known:                                  # the next step's own sequence: no outcome to bet on
+                if it.limit >= 1:
+                    runs.append((self._move(it, "k", it.seq), it.spec, it.limit, it.budget))
+                    where.append((it, None))
+                continue
             for i, br in enumerate(candidates(it.block, it.alts, fill.keys[:per])):
                 nxt = min(it.limit, fill.depth, it.budget - br.pos - 2)   # the next step's limit on this outcome
                 if nxt >= 1:
@@ -98,6 +105,11 @@ class Speculator:
         out: dict[str, list[Entry]] = {}
         tokens = 0
         for (it, br), block in zip(where, blocks):
+            if br is None:
+                if isinstance(block, DraftBlock) and block.tokens:
+                    out.setdefault(it.rid, []).append(Entry(list(it.seq), it.spec, block, KNOWN))
+                    tokens += len(block.tokens)
+                continue
             if not isinstance(block, DraftBlock) or len(block.tokens) < 1 + (br.token is None):
                 continue
             expect = br.start(it.seq, it.block)
@@ -115,7 +127,7 @@ class Speculator:
     def active_requests(self) -> list[str]:
         return list(self._branches)
 
-    def _move(self, it: FillItem, i: int, seq: list[int]) -> str:
+    def _move(self, it: FillItem, i: int | str, seq: list[int]) -> str:
         """Branch ``i`` of ``it``'s request, now at committed sequence ``seq`` (prefilled the first time)."""
         prid = _branch_rid(it.rid, i)
         at = self._at.get(prid)

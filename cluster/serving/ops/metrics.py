@@ -189,7 +189,7 @@ class Metrics:
         try:
             tags = {"model_name": self.model_name}
             for key, _, _, extra in SPECULATION_COUNTERS:
-                for kind in (("bonus", "reject") if extra else (None,)):
+                for kind in (("bonus", "reject", "known") if extra else (None,)):   # cache.KINDS (room: no core)
                     n = delta.get(f"{key}_{kind}" if kind else key, 0)
                     if n > 0:
                         self.speculation[key].inc(n, {**tags, "kind": kind} if kind else tags)

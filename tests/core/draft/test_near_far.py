@@ -16,6 +16,7 @@ from tests.support.exact import (
     TabularModel,
     VocabTokenizer,
     enumerate_outcomes,
+    greedy_vs_plain,
     local_engine,
     max_abs_diff,
     mixed_batch,
@@ -173,11 +174,8 @@ def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d):
     plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
     reqs = [dict(prompt_ids=p, max_new_tokens=30, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
             for i, p in enumerate(([1, 2], [3], [4, 0, 1]))]
-    want = [r.token_ids for r in plain.generate_many([GenerationRequest(strategy="autoregressive", **q)
-                                                      for q in reqs])]
-    got = engine.generate_many([GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **q)
-                                for q in reqs])
-    assert [r.token_ids for r in got] == want
+    got, want = greedy_vs_plain(engine, plain, reqs, {"drafter": "d", "k": 4})
+    assert got == want
     c = side.counters
     assert c.steps > 0 and c.fills > 0 and c.rows >= c.fills
     if seed_d == 9:
