@@ -10,9 +10,9 @@ The engine sees one handle, :data:`cluster.core.draft.programs.DRAFTS`, as with 
   (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative Decoding*; Liu et al., *PEARL*).
 
 Each ``draft_batch``: read the speculator's answers that have arrived (never waiting: one that has not arrived
-counts as ``late`` and the step drafts near); per request take the block drafted from exactly the committed
-sequence (a hit), else draft near (the near drafters catch up on the tokens they missed with their first forward,
-as after a plain step); then send the speculator the blocks about to be verified (one message, nothing awaited).
+counts as ``late``); per request take the block drafted from exactly the committed sequence (a hit), else draft
+near (the near drafters catch up on the tokens they missed with their first forward, as after a plain step),
+racing a late answer (:mod:`cluster.core.draft.race`: taken the moment it lands, where exact); then send the speculator the blocks about to be verified (one message, nothing awaited).
 With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
 step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
 (``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
