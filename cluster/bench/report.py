@@ -163,7 +163,9 @@ def cache_columns(c: dict) -> dict:
     """The speculation cache's counters (``CacheCounters`` as a dict, the ``speculator`` topology) -> the share of
     speculative steps served from the cache, by branch kind (``known``: the engine's two groups), late answers, wasted draft tokens per step, the fan-out
     (branches per fill), and the coordinator's time per draft call when every block was a hit (its whole cost:
-    no drafting) and over all calls; {} without steps."""
+    no drafting) and over all calls; ``raced_share``: steps served by a late answer that came while near drafted
+    (counted in the hits too), ``raced_near``: near drafting rounds done before it came, per such step; {} without
+    steps."""
     n = c.get("steps", 0)
     if not n:
         return {}
@@ -175,4 +177,6 @@ def cache_columns(c: dict) -> dict:
             "hit_call_ms": round(1e3 * c["hit_s"] / c["hit_calls"], 3) if c["hit_calls"] else None,
             "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None,
             "fill_ms": round(1e3 * c["fill_s"] / c["fills"], 3) if c["fills"] else None,
-            "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3)}
+            "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3),
+            "raced_share": round(c.get("raced", 0) / n, 3),
+            "raced_near": round(c["raced_rounds"] / c["raced"], 2) if c.get("raced") else None}

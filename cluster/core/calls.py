@@ -171,11 +171,13 @@ def advance(key, gen, value, pending: dict, done: dict) -> None:
 def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str], *, target: str | None = None,
           group_failed: Callable[[str, Exception], None] | None = None,
           redo: Callable[[Hashable, str, BaseException], Any] | None = None,
-          stop: Callable[[], bool] | None = None) -> dict[Hashable, Any]:
+          stop: Callable[[], bool] | None = None,
+          withdraw: Callable[[list], Any] | None = None) -> dict[Hashable, Any]:
     """Run the generators ``gens`` (key -> generator of model calls) to their end together; -> key -> the
     generator's return value, or the exception that failed it.  ``stop``: asked before each round; once true,
     every generator still pending is closed with :class:`Stopped` as its result (between rounds every generator
-    waits at a call not yet made, so the models hold exactly what the generators recorded).
+    waits at a call not yet made, so the models hold exactly what the generators recorded).  ``withdraw``: asked
+    before each round with the keys still pending; the keys it returns are closed the same way, the others go on.
 
     Each round runs every pending call grouped per (model, kind) as one batched call on ``handles[model]``
     (``target``: see :func:`group_calls`).  A group whose call raises fails its generators; ``group_failed``
@@ -192,6 +194,13 @@ def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str],
                 gens[key].close()
                 done[key] = Stopped()
             break
+        if withdraw is not None:
+            for key in [k for k in withdraw(list(pending)) if k in pending]:
+                gens[key].close()
+                del pending[key]
+                done[key] = Stopped()
+            if not pending:
+                break
         for (model, kind), keys in group_calls(pending, target).items():
             try:
                 results = run_group(handles[model], kind, [(rid_of(k), pending[k]) for k in keys])

@@ -292,13 +292,13 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
     return enumerate_outcomes(run)
 
 
-def mixed_batch(engine, sampling, want_greedy: dict, max_new: int = 5) -> tuple:
-    """One batch of a ``sampling`` request (prompt [0]) and a greedy one (prompt [2, 1]), speculative k = 1 with
+def mixed_batch(engine, sampling, want_greedy: dict, max_new: int = 5, k: int = 1) -> tuple:
+    """One batch of a ``sampling`` request (prompt [0]) and a greedy one (prompt [2, 1]), speculative ``k`` with
     drafter ``d``: asserts the greedy one's first 3 tokens are in ``want_greedy``; returns the sampled one's."""
     from cluster.core.sampling import SamplingParams
     from cluster.engine.request import GenerationRequest
     reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=max_new, sampling=sp, seed=1, strategy="speculative",
-                              options={"drafter": "d", "k": 1}, request_id=f"r{i}")
+                              options={"drafter": "d", "k": k}, request_id=f"r{i}")
             for i, (p, sp) in enumerate((([0], sampling), ([2, 1], SamplingParams(0.0))))]
     out = [tuple(r.token_ids[:3]) for r in engine.generate_many(reqs)]
     assert out[1] in want_greedy

@@ -162,7 +162,7 @@ class FanOut:
 @dataclass
 class CacheCounters:
     """What the cache did: ``steps`` blocks asked for (speculative steps, per request), ``hits`` by branch kind,
-    ``late`` steps whose answer had not arrived, ``wasted`` draft tokens drafted ahead and not used, ``rows``
+    ``late`` steps whose answer had not arrived when they began, ``wasted`` draft tokens drafted ahead and not used, ``rows``
     branches drafted over ``fills`` fills (the fan-out)."""
 
     steps: int = 0
@@ -178,11 +178,14 @@ class CacheCounters:
     hit_s: float = 0.0
     gap_s: float = 0.0           # fills sent -> the next call (the time an answer has), and the speculator's
     fill_s: float = 0.0          # seconds on the fills answered in time (``fills`` of each)
+    raced: int = 0               # hits (of ``hits``) from a late answer that came while near drafted, and the
+    raced_rounds: int = 0        # near drafting rounds (tokens, for a neural drafter) done before it came
 
     def as_dict(self) -> dict:
         return dict(steps=self.steps, **{f"hits_{k}": self.hits[k] for k in KINDS}, late=self.late,
                     late_fills=self.late_fills, wasted=self.wasted, rows=self.rows, fills=self.fills, calls=self.calls, call_s=self.call_s,
-                    hit_calls=self.hit_calls, hit_s=self.hit_s, gap_s=self.gap_s, fill_s=self.fill_s)
+                    hit_calls=self.hit_calls, hit_s=self.hit_s, gap_s=self.gap_s, fill_s=self.fill_s,
+                    raced=self.raced, raced_rounds=self.raced_rounds)
 
 
 class SpeculationCache:

@@ -10,9 +10,9 @@ The engine sees one handle, :data:`cluster.core.draft.programs.DRAFTS`, as with 
   (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative Decoding*; Liu et al., *PEARL*).
 
 Each ``draft_batch``: read the speculator's answers that have arrived (never waiting: one that has not arrived
-counts as ``late`` and the step drafts near); per request take the block drafted from exactly the committed
-sequence (a hit), else draft near (the near drafters catch up on the tokens they missed with their first forward,
-as after a plain step); then send the speculator the blocks about to be verified (one message, nothing awaited).
+counts as ``late``); per request take the block drafted from exactly the committed sequence (a hit), else draft
+near (the near drafters catch up on the tokens they missed with their first forward, as after a plain step),
+racing a late answer (:mod:`cluster.core.draft.race`: taken the moment it lands, where exact); then send the speculator the blocks about to be verified (one message, nothing awaited).
 With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
 step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
 (``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
@@ -27,8 +27,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from cluster.core.draft.cache import KNOWN, FanOut, SpeculationCache
+from cluster.core.draft.cache import KNOWN, Entry, FanOut, SpeculationCache
 from cluster.core.draft.programs import DRAFTS, DraftBlock
+from cluster.core.draft.race import Race
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.speculator import Fill, FillItem, Reply, Speculator
 from cluster.core.interfaces import BatchedHandle, UnsupportedCallError
@@ -138,10 +139,7 @@ class NearFarSide(BatchedHandle):
         c = self.cache.counters
         for i, (rid, spec, limit, _) in enumerate(items):
             c.steps += 1
-            used, entries = self.cache.take(rid, self.near.request(rid).seq, spec)
-            if entries:
-                self.fanout.outcome([e.key for e in entries], used.key if used else None)
-                c.wasted += sum(len(e.block.tokens) for e in entries if e is not used)
+            used = self.take(rid, spec)
             if used is not None:
                 c.hits[used.key[0]] += 1
                 out[i] = used.block.tail(0, limit)
@@ -149,8 +147,11 @@ class NearFarSide(BatchedHandle):
             else:
                 miss.append(i)
         if miss:
-            for i, block in zip(miss, self.near.draft_batch([items[i] for i in miss])):
+            race = Race(self, [items[i] for i in miss]) if self._waiting else None
+            blocks = self.near.draft_batch([items[i] for i in miss], race=race)
+            for i, block in zip(miss, race.settle(blocks) if race else blocks):
                 out[i] = block
+        self._waiting = []                           # (an answer that comes later is for an older fill)
         self._send(items, out)
         dt = time.perf_counter() - t0
         c.calls, c.call_s = c.calls + 1, c.call_s + dt
@@ -158,12 +159,19 @@ class NearFarSide(BatchedHandle):
             c.hit_calls, c.hit_s = c.hit_calls + 1, c.hit_s + dt
         return out
 
-    def _receive(self) -> None:
-        """Fill the cache from the answer to the last fill, if it has arrived; count it late otherwise."""
-        if self._waiting:
-            self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+    def take(self, rid: str, spec) -> Entry | None:
+        """The cached block for ``rid``'s committed sequence and ``spec`` (else None); every other entry of the
+        request is wasted, and the fan-out learns which of its bets came true."""
+        used, entries = self.cache.take(rid, self.near.request(rid).seq, spec)
+        if entries:
+            self.fanout.outcome([e.key for e in entries], used.key if used else None)
+            self.cache.counters.wasted += sum(len(e.block.tokens) for e in entries if e is not used)
+        return used
+
+    def poll(self) -> bool:
+        """Read the answers that have arrived (never waiting) into the cache; True once the last fill's is in."""
         for reply in self.link.poll():               # (a link that is down reconnects from here)
-            if reply.id and reply.id == self._sent:
+            if reply.id and reply.id == self._sent and self._waiting:
                 self.cache.counters.fill_s += reply.compute_s
                 live = set(self.near.active_requests())
                 for rid, entries in reply.entries.items():
@@ -172,14 +180,22 @@ class NearFarSide(BatchedHandle):
                 self.cache.counters.rows += reply.rows
                 self.cache.counters.fills += 1
                 self._waiting = []
-                self.fanout.answered(True)
             elif reply.id:                             # a late answer to an older fill: all of it wasted
                 self.cache.counters.wasted += reply.tokens
+        return not self._waiting
+
+    def _receive(self) -> None:
+        """At the step's start: the answer to the last fill, if it has arrived; counted late otherwise, for the
+        fan-out too (which sizes fills to come within one verification), though the miss drafting races it
+        (:mod:`cluster.core.draft.race`)."""
+        if not self._waiting:
+            self.poll()
+            return
+        self.cache.counters.gap_s += time.perf_counter() - self._sent_at
+        self.fanout.answered(self.poll())
         if self._waiting:
             self.cache.counters.late += len(self._waiting)
             self.cache.counters.late_fills += 1
-            self.fanout.answered(False)
-            self._waiting = []
 
     def _send(self, items: list[tuple], out: list) -> None:
         for rid, spec, limit, _ in items:

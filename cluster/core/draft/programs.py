@@ -123,6 +123,9 @@ class DraftCtx:
     forwards: dict[str, int] = field(default_factory=dict)
     committed: list[int] = field(default_factory=list)   # the request's committed tokens (prompt included)
     alts: int = 0                    # record this many next-best tokens per position on the block (DraftBlock.alts)
+    # the tokens drafted so far while they are a prefix of the block to come (one token per call); None once a call
+    # was answered whose draws are not (a cascade's proposals and reviews): read between rounds (DraftSide's race)
+    partial: list[int] | None = field(default_factory=list)
 
     def grammar_cut(self, work: list[int], toks: list[int]) -> list[int]:
         """A deterministic (Max-Gram) draft cut at its first token the request's grammar forbids: exact, as
@@ -158,6 +161,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
             got = [int(t) for t in got]
             dc.held(name, work + toks + got)
             toks, rows = toks + got, rows + [lg]
+            dc.partial = list(toks)
             if not got:
                 break
         logits = torch.cat(rows) if rows else None
@@ -229,7 +233,7 @@ class CSDraftProgram:
         dc = self.dc
         dc.sync(name, work)
         toks, logits = yield Propose(name, k)                              # [k], [k, V]
-        toks = list(toks)
+        toks, dc.partial = list(toks), None
         dc.held(name, work + toks)
         is_mag = dc.deterministic(name)
         dc.count(name, 1 if is_mag else len(toks))
@@ -245,6 +249,7 @@ class CSDraftProgram:
         d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
         dc.sync(name, work)
         logits = dc.masked(work, d, (yield Score(name, tuple(d))))          # [L+1, V]
+        dc.partial = None
         dc.held(name, work + d)
         dc.count(name, 1)
         L = len(d)

@@ -156,11 +156,11 @@ class DraftSide(BatchedHandle):
         return all(h.probe() for h in self.members.values())
 
     # -- drafting -----------------------------------------------------------------------------------
-    def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]], stop=None) -> list:
+    def draft_batch(self, items: list[tuple[str, DraftSpec, int, int]], stop=None, race=None) -> list:
         """One block per item ``(rid, spec, limit, budget)``: at most ``limit`` tokens; ``budget`` = tokens
         the request may still emit this step (bounds what :meth:`predraft` drafts ahead).  A request whose
         drafting failed gets its exception in place of a block (``stop``: see :meth:`_run`; a speculator's
-        drafting gives up that way)."""
+        drafting gives up that way; ``race``: :class:`cluster.core.draft.race.Race`)."""
         out: list[DraftBlock | None] = [None] * len(items)
         todo = []
         for i, (rid, spec, limit, budget) in enumerate(items):
@@ -174,7 +174,7 @@ class DraftSide(BatchedHandle):
             else:
                 self.misses += pre is not None
                 todo.append(_Run(i, rid, spec, [], limit))
-        for run, block in zip(todo, self._run(todo, stop)):
+        for run, block in zip(todo, self._run(todo, stop, race)):
             out[run.key] = block
         ok = [(item, b) for item, b in zip(items, out) if isinstance(b, DraftBlock)]
         for (rid, *_), block in ok:
@@ -237,20 +237,22 @@ class DraftSide(BatchedHandle):
         except KeyError:
             raise UnknownRequestError(DRAFTS, rid) from None
 
-    def _run(self, runs: list[_Run], stop=None) -> list:
-        """Run the programs of ``runs`` together (``stop``: see :func:`cluster.core.calls.drive`); in order, a block
-        or the exception that failed that request (a drafter's or a program's error fails only the requests it
-        touched; a drafter that is gone, :class:`ModelUnavailableError`, takes the whole draft side down)."""
+    def _run(self, runs: list[_Run], stop=None, race=None) -> list:
+        """Run the programs of ``runs`` together (``stop``: :func:`cluster.core.calls.drive`; ``race``: its
+        ``withdraw``, with the tokens drafted so far); in order, a block or the exception that failed that request
+        (a drafter's or a program's error fails only the requests it touched; one gone takes the side down)."""
         failed = self._prefill_members(runs)
-        gens, rids = {}, {}
+        gens, rids, dcs = {}, {}, {}
         for run in runs:
             if run.key not in failed:
                 st = self._reqs[run.rid]
-                dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
-                              self._holder(st), committed=st.seq, alts=self.alts)
-                gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=stop is not None)
+                dcs[run.key] = dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
+                                             self._holder(st), committed=st.seq, alts=self.alts)
+                gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=bool(stop or race))
                 rids[run.key] = run.rid
-        done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop)}
+        withdraw = None if race is None else (lambda keys: race({k: dcs[k].partial for k in keys}))
+        done = {**failed, **drive(gens, self.members, rids.__getitem__, group_failed=_gone, stop=stop,
+                                  withdraw=withdraw)}
         return [done[run.key] for run in runs]
 
     def _prefill_members(self, runs) -> dict:

@@ -72,6 +72,7 @@ SPECULATION = {
     "ray_specserve_speculation_steps_total": "counter", "ray_specserve_speculation_hits_total": "counter",
     "ray_specserve_speculation_late_total": "counter", "ray_specserve_speculation_wasted_draft_tokens_total": "counter",
     "ray_specserve_speculation_branches_total": "counter", "ray_specserve_speculation_fills_total": "counter",
+    "ray_specserve_speculation_raced_total": "counter",
 }
 
 log = logging.getLogger("specserve.metrics")
@@ -84,7 +85,8 @@ SPECULATION_COUNTERS = (
     ("late", "late", "steps whose speculator answer had not arrived (drafted near)", ()),
     ("wasted", "wasted_draft_tokens", "tokens the speculator drafted that no step used", ()),
     ("rows", "branches", "branches the speculator drafted (answered in time)", ()),
-    ("fills", "fills", "speculator answers that arrived in time", ()))
+    ("fills", "fills", "speculator answers that arrived in time", ()),
+    ("raced", "raced", "hits (of hits) from a late answer taken while the near drafter drafted", ()))
 
 
 @dataclass

@@ -123,7 +123,7 @@ def test_the_speculator_drafts_each_branch_from_its_own_prefix():
 @pytest.mark.parametrize("opts,sampling,delay", [
     (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
     (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
-    (dict(drafter="d", k=1), SamplingParams(1.0), 1),                      # every answer late: near only
+    (dict(drafter="d", k=1), SamplingParams(1.0), 2),                      # every answer late: near only
 ])
 def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, delay):
     """Every draw enumerated, the speculator's branches included: whichever branch the target's outcome picks
@@ -219,10 +219,10 @@ def test_a_speculator_that_is_mostly_late_is_asked_only_now_and_then():
 
 
 def test_late_answers_shrink_the_fan_out_and_outputs_stay_exact():
-    """Every answer arrives one step late (dropped: it was for the step before): the fan-out falls to its least,
-    the side backs off, nothing from the cache is used, and greedy outputs equal plain decoding."""
+    """Every answer arrives after near drafted (dropped: it was for the step before): the fan-out falls to its
+    least, the side backs off, nothing from the cache is used, and greedy outputs equal plain decoding."""
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
-    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=40)}, delay=1, sampled=False)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=40)}, delay=3, sampled=False)
     engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
     req = dict(prompt_ids=[1, 2], max_new_tokens=60, sampling=SamplingParams(0.0), seed=0)
     want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
