@@ -201,11 +201,11 @@ class NearFarSide(BatchedHandle):
         for rid, spec, limit, _ in items:
             self._last[rid] = (spec, limit)
         known = self._known()
+        if not self.link.up:                           # (a speculator that is down lost its state with it)
+            self._released = []
+            return
         if known:                                      # the other group's next blocks: no bets this step
-            if self.link.up:
-                self._fill(known, [KNOWN], max(it.limit for it in known))
-            else:
-                self._released = []
+            self._fill(known, [KNOWN], max(it.limit for it in known))
             return
         fill_items = []
         for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
@@ -213,9 +213,6 @@ class NearFarSide(BatchedHandle):
             if isinstance(block, DraftBlock) and block.tokens and self._speculated(st):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
                                            limit, budget, block.alts))
-        if not self.link.up:
-            self._released = []
-            return
         if not (fill_items or self._released) or not self.fanout.ask():
             return
         length = max((len(it.block) for it in fill_items), default=0)
