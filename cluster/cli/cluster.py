@@ -6,14 +6,15 @@ import os
 import sys
 import time
 
-
 from cluster.cli.common import load_built_config
 from cluster.config.layout import check_host
 from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
-from cluster.serving.ops.ray_node import load_head, save_head, start_node, token_file, use_token
+from cluster.serving.ops.attached import (clear_attached, find_attached, interrupt_on_sigterm, save_attached,
+                                          serve_until_stopped, stop_attached)
+from cluster.serving.ops.ray_node import gcs_up, load_head, save_head, start_node, token_file, use_token
 from protos.ray_private import check_startup
 
 
@@ -99,56 +100,68 @@ def _grpc_listen(args, cl) -> tuple[str, str | None, str | None]:
     return host, cert, key
 
 
+ATTACHED_STOP_S = 120.0       # bounds `down` waiting for an attached `up`'s shutdown (each of its steps is bounded)
+
+
 def cmd_up(args) -> int:
     cfg = load_built_config(args.config)
     timeout = check_float("timeout", args.timeout, 1, 86400)
     cl = cfg.cluster
     host, cert, key = _grpc_listen(args, cl)
     check_startup(needs_binding=True)          # the gRPC host / TLS binding patches Ray internals
+    interrupt_on_sigterm()                     # `specserve down` and Ctrl-C stop `up` the same way
     address, node = args.address, None
     if not address:
         node = start_node(port=check_int("ray_port", args.ray_port, 1024, 65535),
                           log_path=token_file().parent / "specserve-head.log")
         address = node.address
-        print(f"specserve: Ray head on {address} (loopback only, token auth: {token_file()})", file=sys.stderr)
+        print(f"specserve: Ray head on {address} (pid {node.pid}; loopback only, token auth: {token_file()})",
+              file=sys.stderr)
     use_token(address)
     import ray
-    ray.init(address=address, namespace="specserve", include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
-    topology, why = cl.placement()
-    print(f"specserve: deploying {cfg.source} (topology {topology}: {why}, tp_size {cl.tp_size}, "
-          f"replicas {cl.replicas}) ...", file=sys.stderr)
     try:
-        start_serve(cfg, address=address)
-        with SpecServeClient(f"{_dial(host)}:{cl.grpc_port}", app=cl.app_name, **_tls(cert)) as c:
-            c.wait_ready(timeout)
+        ray.init(address=address, namespace="specserve", include_dashboard=False,
+                 runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
+        interrupt_on_sigterm()                 # ray.init replaced it with its own (sys.exit)
+        _deploy(cfg, address, host, cert, timeout)
+        for url in metrics_urls():
+            print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
+        me = None if args.detach else save_attached(ray.get_runtime_context().gcs_address, cl.app_name, node)
     except BaseException:
         if node is not None:
             node.stop()
         raise
-    grpc_mode = "TLS" if cert else "plaintext" + (" (loopback only)" if host == "127.0.0.1" else
-                                                   ": no certificate configured, the bearer key travels in clear")
-    print(f"specserve: SERVING  gRPC {host}:{cl.grpc_port} {grpc_mode} (specserve.v1.SpecServe)  "
-          f"HTTP http://{cl.http_host}:{cl.http_port}/v1/completions", file=sys.stderr)
-    for url in metrics_urls():
-        print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
     if args.detach:
         if node is not None:
             save_head(node)
         print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"), file=sys.stderr)
         return 0
     print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
-    from ray import serve
     try:
-        while cl.app_name in serve.status().applications:     # returns after `specserve down`
-            time.sleep(2)
-    except KeyboardInterrupt:
-        serve.shutdown()
+        why = serve_until_stopped(cl.app_name, node)        # then Serve, this driver and the head are stopped
     finally:
-        ray.shutdown()
-        if node is not None:
-            node.stop()
+        clear_attached(me)
+    print(f"specserve: stopped ({STOP_REASONS[why]})" + (f"; Ray head (pid {node.pid}) stopped" if node else ""),
+          file=sys.stderr)
     return 0
+
+
+STOP_REASONS = {"interrupted": "Ctrl-C or `specserve down`", "deleted": "another driver deleted the application",
+                "serve-gone": "another driver shut Serve down"}
+
+
+def _deploy(cfg, address: str, host: str, cert: str | None, timeout: float) -> None:
+    cl = cfg.cluster
+    topology, why = cl.placement()
+    print(f"specserve: deploying {cfg.source} (topology {topology}: {why}, tp_size {cl.tp_size}, "
+          f"replicas {cl.replicas}) ...", file=sys.stderr)
+    start_serve(cfg, address=address)
+    with SpecServeClient(f"{_dial(host)}:{cl.grpc_port}", app=cl.app_name, **_tls(cert)) as c:
+        c.wait_ready(timeout)
+    grpc_mode = "TLS" if cert else "plaintext" + (" (loopback only)" if host == "127.0.0.1" else
+                                                   ": no certificate configured, the bearer key travels in clear")
+    print(f"specserve: SERVING  gRPC {host}:{cl.grpc_port} {grpc_mode} (specserve.v1.SpecServe)  "
+          f"HTTP http://{cl.http_host}:{cl.http_port}/v1/completions", file=sys.stderr)
 
 
 def _dial(host: str) -> str:
@@ -170,23 +183,40 @@ def metrics_urls() -> list[str]:
 
 def cmd_down(args) -> int:
     head = load_head()
-    address = args.address or (head.address if head else "auto")
-    use_token(address)
-    import ray
-    from ray import serve
-    try:
-        ray.init(address=address, namespace="specserve", include_dashboard=False)
-    except ConnectionError as e:
-        print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
-        return 1
-    serve.delete(args.app)
-    serve.shutdown()
-    ray.shutdown()
+    up = find_attached(args.address)
+    if up is not None and up.app != args.app:
+        raise ParamError("app", f"the application of the attached `specserve up` ({up.app})", args.app)
+    if up is not None:
+        # An attached `up` owns every shutdown step (cluster/serving/ops/attached.py): ask it, wait for it
+        start = time.monotonic()
+        if not stop_attached(up, ATTACHED_STOP_S):
+            print(f"specserve: `specserve up` (pid {up.pid}) still running {ATTACHED_STOP_S:.0f}s after it was asked "
+                  "to stop; see its output", file=sys.stderr)
+            return 1
+        print(f"specserve: {up.app} stopped by its `specserve up` (pid {up.pid})"
+              + (f" with its Ray head (pid {up.head_pid})" if up.head_pid else "")
+              + f" in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    else:
+        address = args.address or (head.address if head else "auto")
+        if address != "auto" and not gcs_up(address):       # ray.init would retry a closed port for minutes
+            print(f"specserve: no Ray cluster at {address} (nothing listens there)", file=sys.stderr)
+            return 1
+        use_token(address)
+        import ray
+        from ray import serve
+        try:
+            ray.init(address=address, namespace="specserve", include_dashboard=False)
+        except ConnectionError as e:
+            print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
+            return 1
+        serve.delete(args.app)
+        serve.shutdown()
+        ray.shutdown()
+        print(f"specserve: {args.app} stopped", file=sys.stderr)
     if args.stop_ray:
         if head is None:
             print("specserve: no Ray head started by `specserve up --detach` is running", file=sys.stderr)
         else:
             head.stop()
             print(f"specserve: Ray head {head.address} (pid {head.pid}) stopped", file=sys.stderr)
-    print(f"specserve: {args.app} stopped", file=sys.stderr)
     return 0
