@@ -13,7 +13,7 @@ from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
 from cluster.serving.ops.attached import (clear_attached, find_attached, interrupt_on_sigterm, save_attached,
-                                          serve_until_stopped, stop_attached)
+                                          shut_down, stop_attached, wait_until_stopped)
 from cluster.serving.ops.ray_node import gcs_up, load_head, save_head, start_node, token_file, use_token
 from protos.ray_private import check_startup
 
@@ -138,11 +138,16 @@ def cmd_up(args) -> int:
         return 0
     print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
     try:
-        why = serve_until_stopped(cl.app_name, node)        # then Serve, this driver and the head are stopped
+        try:
+            why, serve_running = wait_until_stopped(cl.app_name, own_head=node is not None)
+        except BaseException:        # not a stop: Serve may be unreachable; stop this driver and the head
+            shut_down(node, serve_running=False)
+            raise
+        print(f"specserve: stopping ({STOP_REASONS[why]}) ...", file=sys.stderr)
+        shut_down(node, serve_running=serve_running)
     finally:
         clear_attached(me)
-    print(f"specserve: stopped ({STOP_REASONS[why]})" + (f"; Ray head (pid {node.pid}) stopped" if node else ""),
-          file=sys.stderr)
+    print("specserve: stopped" + (f", Ray head (pid {node.pid}) included" if node else ""), file=sys.stderr)
     return 0
 
 

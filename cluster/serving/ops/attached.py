@@ -97,18 +97,21 @@ def find_attached(address: str | None) -> AttachedUp | None:
 
 
 def stop_attached(up: AttachedUp, timeout: float) -> bool:
-    """Ask an attached ``up`` to stop (SIGTERM, which it handles like Ctrl-C) and wait until its process is
-    gone; False if it still runs after ``timeout`` seconds."""
+    """Ask an attached ``up`` to stop (SIGTERM, which it handles like Ctrl-C) and wait until its process has
+    exited; False if it still runs after ``timeout`` seconds.  Exited includes a zombie its parent has not
+    reaped yet (psutil's ``wait`` would wait for the reaping, which is no business of ``down``)."""
     try:
         proc = psutil.Process(up.pid)
         if proc.create_time() != up.create_time:
             return True
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout)                   # psutil polls the PID of a process that is not our child
+        deadline = time.monotonic() + timeout
+        while proc.status() != psutil.STATUS_ZOMBIE:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)                  # poll interval; the process's state is what is waited on
     except psutil.NoSuchProcess:
         pass
-    except psutil.TimeoutExpired:
-        return False
     return True
 
 
@@ -118,27 +121,26 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
-def serve_until_stopped(app: str, node: RayNode | None) -> str:
-    """Block while ``app`` is served, then stop (:func:`shut_down`) and say why: ``"interrupted"`` (Ctrl-C or
-    SIGTERM: this process owns every step), ``"deleted"`` (another driver deleted the app) or ``"serve-gone"``
-    (another driver shut Serve down: its controller died).  An exception is re-raised after the shutdown."""
+def wait_until_stopped(app: str, *, own_head: bool) -> tuple[str, bool]:
+    """Block while ``app`` is served.  Returns why it ended -- ``"interrupted"`` (Ctrl-C or SIGTERM: this
+    process owns every step), ``"deleted"`` (another driver deleted the app) or ``"serve-gone"`` (another
+    driver shut Serve down: its controller died) -- and whether :func:`shut_down` must still shut Serve down.
+    From its return on, Ctrl-C and SIGTERM are ignored: every shutdown step is bounded (Serve's 30 s, the head's
+    SIGKILL after 30 s), and one interrupted half-way would leave the head running."""
     from ray import serve
     from ray.exceptions import RayActorError
-    why, serve_running = "failed", False        # an unexpected error: Serve may be unreachable, stop the rest
     try:
-        try:
-            while app in serve.status().applications:
-                time.sleep(POLL_S)       # poll interval; the application's presence is what is waited on
-            why = "deleted"
-            # with no head of ours to stop, nothing races the other driver: leave its Serve as it is
-            serve_running = node is not None and not wait_serve_gone()
-        except RayActorError:
-            why, serve_running = "serve-gone", False
+        while app in serve.status().applications:
+            time.sleep(POLL_S)           # poll interval; the application's presence is what is waited on
+        # with no head of ours to stop, nothing races the other driver: its Serve is left as it is
+        return "deleted", own_head and not wait_serve_gone()
+    except RayActorError:
+        return "serve-gone", False
     except KeyboardInterrupt:
-        why, serve_running = "interrupted", True
+        return "interrupted", True
     finally:
-        shut_down(node, serve_running=serve_running)
-    return why
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def wait_serve_gone(timeout: float = EXTERNAL_SHUTDOWN_S) -> bool:
@@ -158,13 +160,9 @@ def wait_serve_gone(timeout: float = EXTERNAL_SHUTDOWN_S) -> bool:
 
 def shut_down(node: RayNode | None, *, serve_running: bool) -> None:
     """The attached ``up``'s shutdown, in order: Serve (``serve.shutdown`` deletes every application, then
-    stops the controller and proxies), this driver, the head.  Further Ctrl-C/SIGTERM are ignored meanwhile:
-    every step is bounded (Serve's 30 s, the head's SIGKILL after 30 s) and an interrupted one would leave the
-    head running."""
+    stops the controller and proxies), this driver, the head."""
     import ray
     from ray import serve
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
     if serve_running:
         serve.shutdown()
     ray.shutdown()

@@ -1,0 +1,148 @@
+"""``specserve down`` against a real attached ``specserve up`` (cluster/serving/ops/attached.py): the attached
+``up`` owns every shutdown step, so ``down`` returns in seconds with rc 0, neither prints a traceback or a GCS
+error, and ``up`` exits 0 with its Ray head and every process of its cluster gone.
+
+Each ``up`` runs configs/tiny.yaml as a subprocess on free loopback ports, with its token (and so its records)
+in the test's tmp dir; whatever the test started is killed by PID in a ``finally``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from cluster.serving.ops.ray_node import stop_pid, temp_dir
+from tests.support.polling import poll
+
+CLI = [sys.executable, "-m", "cluster.cli.main"]
+DOWN_BOUND_S = 30.0
+BAD = ("Traceback", "GCS", "Failed to connect")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Up:
+    """``specserve up`` (attached) on configs/tiny.yaml, started as a subprocess and waited for until SERVING."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.ray_port = tmp, _free_port()
+        cfg = yaml.safe_load(Path("configs/tiny.yaml").read_text())
+        cfg["cluster"].update(grpc_port=_free_port(), http_port=_free_port())
+        (tmp / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+        self.env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(tmp / "ray" / "auth_token")}
+        self.err_path = tmp / "up.err"
+        self.proc: subprocess.Popen | None = None
+        self.head_pid: int | None = None
+
+    def __enter__(self) -> Up:
+        with open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([*CLI, "up", "--config", str(self.tmp / "tiny.yaml"), "--ray-port",
+                                          str(self.ray_port), "--timeout", "300"], env=self.env,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+        poll(lambda: "SERVING" in self.err() or self.proc.poll() is not None, "specserve up to serve", 300)
+        assert self.proc.poll() is None, self.err()[-3000:]
+        self.head_pid = int(re.search(r"Ray head on \S+ \(pid (\d+);", self.err()).group(1))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        leftovers = self.cluster_processes()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.head_pid is not None:
+            stop_pid(self.head_pid, timeout=10)
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def err(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def down(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([*CLI, "down", *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    def cluster_processes(self) -> list[psutil.Process]:
+        """Every live process of this cluster: started from its own Ray temp dir, and their children."""
+        mark = str(temp_dir(self.ray_port))
+        roots = [p for p in psutil.process_iter(["cmdline"]) if any(mark in a for a in p.info["cmdline"] or ())]
+        out = {p.pid: p for p in roots}
+        for p in roots:
+            try:
+                out.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+        return [p for p in out.values() if _alive(p)]
+
+    def assert_stopped_cleanly(self, down_err: str = "") -> None:
+        assert self.proc.wait(timeout=DOWN_BOUND_S) == 0, self.err()[-3000:]
+        for text in (self.err(), down_err):
+            assert not [b for b in BAD if b in text], text[-3000:]
+        assert "specserve: stopped, Ray head (pid" in self.err()
+        assert not psutil.pid_exists(self.head_pid) or not _alive(psutil.Process(self.head_pid))
+        poll(lambda: not self.cluster_processes(), "every process of the cluster to exit", 15)
+        assert not list((self.tmp / "ray").glob("specserve-up-*.json"))      # its record is removed
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_down_stops_an_attached_up(tmp_path):
+    with Up(tmp_path) as up:
+        start = time.monotonic()
+        down = up.down()                                 # no --address: the attached up's record names it
+        _, err = down.communicate(timeout=120)
+        took = time.monotonic() - start
+        assert down.returncode == 0, err[-3000:]
+        assert took < DOWN_BOUND_S, (took, err[-3000:])
+        assert f"stopped by its `specserve up` (pid {up.proc.pid}) with its Ray head (pid {up.head_pid})" in err
+        up.assert_stopped_cleanly(err)
+        assert "stopping (Ctrl-C or `specserve down`)" in up.err()
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_up_while_down_waits(tmp_path):
+    """Ctrl-C on ``up`` after ``down`` asked it to stop: ignored (it is already stopping), both end cleanly."""
+    with Up(tmp_path) as up:
+        down = up.down("--address", f"127.0.0.1:{up.ray_port}")
+        poll(lambda: "specserve: stopping" in up.err(), "up to start stopping", 60)
+        os.kill(up.proc.pid, signal.SIGINT)
+        _, err = down.communicate(timeout=120)
+        assert down.returncode == 0, err[-3000:]
+        up.assert_stopped_cleanly(err)
+
+
+@pytest.mark.slow
+def test_ctrl_c_alone_stops_up_and_its_head(tmp_path):
+    with Up(tmp_path) as up:
+        os.kill(up.proc.pid, signal.SIGINT)
+        up.assert_stopped_cleanly()
+
+
+def test_down_with_no_cluster_is_one_line(tmp_path):
+    """Nothing listens at the address: one line naming it, rc 1, at once (Ray would retry for minutes)."""
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "ray" / "auth_token")}
+    res = subprocess.run([*CLI, "down", "--address", f"127.0.0.1:{port}"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip() == f"specserve: no Ray cluster at 127.0.0.1:{port} (nothing listens there)"
