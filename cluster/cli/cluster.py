@@ -12,9 +12,9 @@ from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
-from cluster.serving.ops.attached import (clear_attached, find_attached, interrupt_on_sigterm, save_attached,
-                                          shut_down, stop_attached, wait_until_stopped)
-from cluster.serving.ops.ray_node import gcs_up, load_head, save_head, start_node, token_file, use_token
+from cluster.serving.ops.attached import (clear_attached, find_attached, ignore_stop_signals, interrupt_on_sigterm,
+                                          save_attached, shut_down, stop_attached, wait_until_stopped)
+from cluster.serving.ops.ray_node import gcs_up, head_state_file, load_head, save_head, start_node, token_file, use_token
 from protos.ray_private import check_startup
 
 
@@ -119,34 +119,35 @@ def cmd_up(args) -> int:
               file=sys.stderr)
     use_token(address)
     import ray
+    me = None
     try:
         ray.init(address=address, namespace="specserve", include_dashboard=False,
                  runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
         interrupt_on_sigterm()                 # ray.init replaced it with its own (sys.exit)
+        if not args.detach:                    # from here on `specserve down` asks this process to stop
+            me = save_attached(ray.get_runtime_context().gcs_address, cl.app_name, node)
         _deploy(cfg, address, host, cert, timeout)
         for url in metrics_urls():
             print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
-        me = None if args.detach else save_attached(ray.get_runtime_context().gcs_address, cl.app_name, node)
-    except BaseException:
-        if node is not None:
-            node.stop()
-        raise
-    if args.detach:
-        if node is not None:
-            save_head(node)
-        print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"), file=sys.stderr)
-        return 0
-    print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
-    try:
-        try:
-            why, serve_running = wait_until_stopped(cl.app_name, own_head=node is not None)
-        except BaseException:        # not a stop: Serve may be unreachable; stop this driver and the head
-            shut_down(node, serve_running=False)
-            raise
-        print(f"specserve: stopping ({STOP_REASONS[why]}) ...", file=sys.stderr)
-        shut_down(node, serve_running=serve_running)
-    finally:
+        if args.detach:
+            if node is not None:
+                save_head(node)
+            print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"),
+                  file=sys.stderr)
+            return 0
+        print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
+        why, serve_running = wait_until_stopped(cl.app_name, own_head=node is not None)
+    except KeyboardInterrupt:                  # Ctrl-C or `specserve down` before SERVING
+        ignore_stop_signals()
+        why, serve_running = "interrupted", ray.is_initialized()
+    except BaseException:                      # not a stop: Serve may be unreachable; stop the driver and head
+        ignore_stop_signals()
+        shut_down(node, serve_running=False)
         clear_attached(me)
+        raise
+    print(f"specserve: stopping ({STOP_REASONS[why]}) ...", file=sys.stderr)
+    shut_down(node, serve_running=serve_running)
+    clear_attached(me)
     print("specserve: stopped" + (f", Ray head (pid {node.pid}) included" if node else ""), file=sys.stderr)
     return 0
 
@@ -223,5 +224,6 @@ def cmd_down(args) -> int:
             print("specserve: no Ray head started by `specserve up --detach` is running", file=sys.stderr)
         else:
             head.stop()
+            head_state_file().unlink(missing_ok=True)
             print(f"specserve: Ray head {head.address} (pid {head.pid}) stopped", file=sys.stderr)
     return 0

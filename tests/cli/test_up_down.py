@@ -7,6 +7,7 @@ in the test's tmp dir; whatever the test started is killed by PID in a ``finally
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -48,18 +49,22 @@ class Up:
         self.head_pid: int | None = None
 
     def __enter__(self) -> Up:
-        with open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([*CLI, "up", "--config", str(self.tmp / "tiny.yaml"), "--ray-port",
-                                          str(self.ray_port), "--timeout", "300"], env=self.env,
-                                         stdout=subprocess.DEVNULL, stderr=err)
-        poll(lambda: "SERVING" in self.err() or self.proc.poll() is not None, "specserve up to serve", 300)
-        assert self.proc.poll() is None, self.err()[-3000:]
-        self.head_pid = int(re.search(r"Ray head on \S+ \(pid (\d+);", self.err()).group(1))
         return self
+
+    def start(self, *args: str) -> None:
+        """``specserve up`` with ``args``; returns once it serves (or, ``--detach``, once it has returned)."""
+        with open(self.err_path, "wb") as err, open(self.tmp / "up.out", "wb") as out:
+            self.proc = subprocess.Popen([*CLI, "up", "--config", str(self.tmp / "tiny.yaml"), "--ray-port",
+                                          str(self.ray_port), "--timeout", "300", *args], env=self.env,
+                                         stdout=out, stderr=err)
+        poll(lambda: "SERVING" in self.err() or self.proc.poll() is not None, "specserve up to serve", 300)
+        head = re.search(r"Ray head on \S+ \(pid (\d+);", self.err())
+        self.head_pid = int(head.group(1)) if head else None
+        assert "SERVING" in self.err() and self.head_pid, self.err()[-3000:]
 
     def __exit__(self, *exc) -> None:
         leftovers = self.cluster_processes()
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         if self.head_pid is not None:
@@ -71,7 +76,7 @@ class Up:
                 pass
 
     def err(self) -> str:
-        return self.err_path.read_text(errors="replace")
+        return self.err_path.read_text(errors="replace") + (self.tmp / "up.out").read_text(errors="replace")
 
     def down(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen([*CLI, "down", *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -93,10 +98,9 @@ class Up:
         assert self.proc.wait(timeout=DOWN_BOUND_S) == 0, self.err()[-3000:]
         for text in (self.err(), down_err):
             assert not [b for b in BAD if b in text], text[-3000:]
-        assert "specserve: stopped, Ray head (pid" in self.err()
         assert not psutil.pid_exists(self.head_pid) or not _alive(psutil.Process(self.head_pid))
         poll(lambda: not self.cluster_processes(), "every process of the cluster to exit", 15)
-        assert not list((self.tmp / "ray").glob("specserve-up-*.json"))      # its record is removed
+        assert not list((self.tmp / "ray").glob("specserve-*.json"))      # its records are removed
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -108,6 +112,7 @@ def _alive(p: psutil.Process) -> bool:
 
 def test_down_stops_an_attached_up(tmp_path):
     with Up(tmp_path) as up:
+        up.start()
         start = time.monotonic()
         down = up.down()                                 # no --address: the attached up's record names it
         _, err = down.communicate(timeout=120)
@@ -117,12 +122,14 @@ def test_down_stops_an_attached_up(tmp_path):
         assert f"stopped by its `specserve up` (pid {up.proc.pid}) with its Ray head (pid {up.head_pid})" in err
         up.assert_stopped_cleanly(err)
         assert "stopping (Ctrl-C or `specserve down`)" in up.err()
+        assert f"specserve: stopped, Ray head (pid {up.head_pid}) included" in up.err()
 
 
 @pytest.mark.slow
 def test_ctrl_c_on_up_while_down_waits(tmp_path):
     """Ctrl-C on ``up`` after ``down`` asked it to stop: ignored (it is already stopping), both end cleanly."""
     with Up(tmp_path) as up:
+        up.start()
         down = up.down("--address", f"127.0.0.1:{up.ray_port}")
         poll(lambda: "specserve: stopping" in up.err(), "up to start stopping", 60)
         os.kill(up.proc.pid, signal.SIGINT)
@@ -134,8 +141,25 @@ def test_ctrl_c_on_up_while_down_waits(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_alone_stops_up_and_its_head(tmp_path):
     with Up(tmp_path) as up:
+        up.start()
         os.kill(up.proc.pid, signal.SIGINT)
         up.assert_stopped_cleanly()
+        assert f"specserve: stopped, Ray head (pid {up.head_pid}) included" in up.err()
+
+
+@pytest.mark.slow
+def test_down_stop_ray_stops_a_detached_up(tmp_path):
+    """``up --detach`` returns and records its head; ``down --stop-ray``, one process, deletes the app, shuts
+    Serve down, disconnects, then stops that head."""
+    with Up(tmp_path) as up:
+        up.start("--detach")
+        assert up.proc.wait(timeout=60) == 0, up.err()[-3000:]
+        assert json.loads((tmp_path / "ray" / "specserve-head.json").read_text())["pid"] == up.head_pid
+        down = up.down("--stop-ray")
+        _, err = down.communicate(timeout=120)
+        assert down.returncode == 0, err[-3000:]
+        assert f"(pid {up.head_pid}) stopped" in err
+        up.assert_stopped_cleanly(err)
 
 
 def test_down_with_no_cluster_is_one_line(tmp_path):

@@ -69,8 +69,9 @@ def save_attached(address: str, app: str, head: RayNode | None) -> AttachedUp:
     return up
 
 
-def clear_attached(up: AttachedUp) -> None:
-    attached_file(up.address).unlink(missing_ok=True)
+def clear_attached(up: AttachedUp | None) -> None:
+    if up is not None:
+        attached_file(up.address).unlink(missing_ok=True)
 
 
 def _same_gcs(a: str, b: str) -> bool:
@@ -125,8 +126,7 @@ def wait_until_stopped(app: str, *, own_head: bool) -> tuple[str, bool]:
     """Block while ``app`` is served.  Returns why it ended -- ``"interrupted"`` (Ctrl-C or SIGTERM: this
     process owns every step), ``"deleted"`` (another driver deleted the app) or ``"serve-gone"`` (another
     driver shut Serve down: its controller died) -- and whether :func:`shut_down` must still shut Serve down.
-    From its return on, Ctrl-C and SIGTERM are ignored: every shutdown step is bounded (Serve's 30 s, the head's
-    SIGKILL after 30 s), and one interrupted half-way would leave the head running."""
+    From its return on, Ctrl-C and SIGTERM are ignored (:func:`ignore_stop_signals`)."""
     from ray import serve
     from ray.exceptions import RayActorError
     try:
@@ -139,8 +139,14 @@ def wait_until_stopped(app: str, *, own_head: bool) -> tuple[str, bool]:
     except KeyboardInterrupt:
         return "interrupted", True
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
+
+
+def ignore_stop_signals() -> None:
+    """Once ``up`` is stopping, Ctrl-C and SIGTERM are ignored: every shutdown step is bounded (Serve's 30 s,
+    the head's SIGKILL after 30 s), and one interrupted half-way would leave the head running."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def wait_serve_gone(timeout: float = EXTERNAL_SHUTDOWN_S) -> bool:
