@@ -21,7 +21,8 @@ import psutil
 import pytest
 import yaml
 
-from cluster.serving.ops.ray_node import stop_pid, temp_dir
+from cluster.serving.ops.ray_node import stop_pid
+from tests.support.multinode import session_processes
 from tests.support.polling import poll
 
 CLI = [sys.executable, "-m", "cluster.cli.main"]
@@ -83,16 +84,8 @@ class Up:
                                 text=True)
 
     def cluster_processes(self) -> list[psutil.Process]:
-        """Every live process of this cluster: started from its own Ray temp dir, and their children."""
-        mark = str(temp_dir(self.ray_port))
-        roots = [p for p in psutil.process_iter(["cmdline"]) if any(mark in a for a in p.info["cmdline"] or ())]
-        out = {p.pid: p for p in roots}
-        for p in roots:
-            try:
-                out.update({c.pid: c for c in p.children(recursive=True)})
-            except psutil.NoSuchProcess:
-                pass
-        return [p for p in out.values() if _alive(p)]
+        """Every live process of this cluster (started from its own Ray temp dir, and their children)."""
+        return [p for p in session_processes(self.ray_port) if _alive(p)]
 
     def assert_stopped_cleanly(self, down_err: str = "") -> None:
         assert self.proc.wait(timeout=DOWN_BOUND_S) == 0, self.err()[-3000:]
