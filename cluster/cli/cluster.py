@@ -7,7 +7,7 @@ import sys
 import time
 
 from cluster.cli.common import load_built_config
-from cluster.config.layout import check_host
+from cluster.config.layout import ClusterSpec, check_host
 from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
@@ -41,7 +41,7 @@ def add_cluster_commands(sub) -> None:
 
     d = sub.add_parser("down", help="delete the served application (and optionally stop the local Ray)")
     d.add_argument("--address", help="Ray cluster address (default: the head `up --detach` started)")
-    d.add_argument("--app", default="specserve", help="application name (cluster.app_name)")
+    d.add_argument("--app", help="application name (cluster.app_name; default: the attached `up`'s, else specserve)")
     d.add_argument("--stop-ray", action="store_true",
                    help="also stop the Ray head `specserve up --detach` started (only that one)")
 
@@ -190,10 +190,11 @@ def metrics_urls() -> list[str]:
 def cmd_down(args) -> int:
     head = load_head()
     up = find_attached(args.address)
-    if up is not None and up.app != args.app:
+    if up is not None and args.app not in (None, up.app):
         raise ParamError("app", f"the application of the attached `specserve up` ({up.app})", args.app)
     if up is not None:
         # An attached `up` owns every shutdown step (cluster/serving/ops/attached.py): ask it, wait for it
+        print(f"specserve: asking `specserve up` (pid {up.pid}) to stop {up.app} ...", file=sys.stderr)
         start = time.monotonic()
         if not stop_attached(up, ATTACHED_STOP_S):
             print(f"specserve: `specserve up` (pid {up.pid}) still running {ATTACHED_STOP_S:.0f}s after it was asked "
@@ -215,11 +216,12 @@ def cmd_down(args) -> int:
         except ConnectionError as e:
             print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
             return 1
-        serve.delete(args.app)
+        app = args.app or ClusterSpec.app_name
+        serve.delete(app)
         serve.shutdown()
         ray.shutdown()
-        print(f"specserve: {args.app} stopped", file=sys.stderr)
-    if args.stop_ray:
+        print(f"specserve: {app} stopped", file=sys.stderr)
+    if args.stop_ray and not (up is not None and up.head_pid):        # an attached up stopped its own head
         if head is None:
             print("specserve: no Ray head started by `specserve up --detach` is running", file=sys.stderr)
         else:

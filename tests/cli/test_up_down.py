@@ -15,12 +15,15 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
+from cluster.errors import ParamError
+from cluster.serving.ops.attached import AttachedUp, attached_file, find_attached, save_attached
 from cluster.serving.ops.ray_node import stop_pid
 from tests.support.multinode import session_processes
 from tests.support.polling import poll
@@ -163,3 +166,38 @@ def test_down_with_no_cluster_is_one_line(tmp_path):
                          timeout=60)
     assert res.returncode == 1
     assert res.stderr.strip() == f"specserve: no Ray cluster at 127.0.0.1:{port} (nothing listens there)"
+
+
+def test_find_attached_matches_live_records_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    me = save_attached("127.0.0.1:6390", "specserve", None)        # this process stands in for a live `up`
+    reused = replace(me, create_time=me.create_time + 1, address="127.0.0.1:6391")    # its PID, another process
+    attached_file(reused.address).write_text(json.dumps(asdict(reused)))
+    assert find_attached(None) == me and find_attached("auto") == me and find_attached("localhost:6390") == me
+    assert find_attached("127.0.0.1:6379") is None and find_attached("10.0.0.5:6390") is None
+    assert not attached_file(reused.address).exists()               # the record of a gone process is removed
+    save_attached("127.0.0.1:6392", "other", None)
+    with pytest.raises(ParamError, match="address"):
+        find_attached(None)
+    assert find_attached("127.0.0.1:6392").app == "other"
+
+
+def test_down_signals_the_recorded_process_and_waits_for_it(tmp_path, monkeypatch):
+    """Without Ray: a stand-in ``up`` (a child that dies of SIGTERM and stays unreaped, a zombie) recorded as
+    attached; ``down --app`` naming another app is refused before any signal, ``down`` stops it."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    env = dict(os.environ)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        up = AttachedUp(child.pid, psutil.Process(child.pid).create_time(), "127.0.0.1:6390", "specserve", None)
+        attached_file(up.address).write_text(json.dumps(asdict(up)))
+        res = subprocess.run([*CLI, "down", "--app", "other"], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "invalid app: 'other'" in res.stderr, res.stderr
+        assert child.poll() is None
+        res = subprocess.run([*CLI, "down"], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert f"specserve stopped by its `specserve up` (pid {child.pid}) in" in res.stderr
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
