@@ -39,8 +39,10 @@ def add_cluster_commands(sub) -> None:
     s.add_argument("--config", default="configs/local.yaml", help="YAML config (default: configs/local.yaml)")
     s.add_argument("--path", help="the config's path where Serve runs (default: --config), e.g. /app/configs/x.yaml")
 
-    d = sub.add_parser("down", help="delete the served application (and optionally stop the local Ray)")
-    d.add_argument("--address", help="Ray cluster address (default: the head `up --detach` started)")
+    d = sub.add_parser("down", help="stop an attached `specserve up`, or delete the served application (and "
+                       "optionally stop the local Ray)")
+    d.add_argument("--address", help="Ray cluster address (default: the attached `specserve up`'s, which then "
+                   "stops itself; else the head `up --detach` started)")
     d.add_argument("--app", help="application name (cluster.app_name; default: the attached `up`'s, else specserve)")
     d.add_argument("--stop-ray", action="store_true",
                    help="also stop the Ray head `specserve up --detach` started (only that one)")
