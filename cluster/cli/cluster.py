@@ -14,7 +14,8 @@ from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
 from cluster.serving.ops.attached import (clear_attached, find_attached, ignore_stop_signals, interrupt_on_sigterm,
                                           save_attached, shut_down, stop_attached, wait_until_stopped)
-from cluster.serving.ops.ray_node import gcs_up, head_state_file, load_head, save_head, start_node, token_file, use_token
+from cluster.serving.ops.ray_node import (gcs_up, head_state_file, load_head, save_head, start_node, token_file,
+                                          use_token)
 from protos.ray_private import check_startup
 
 
