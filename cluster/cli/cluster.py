@@ -6,14 +6,16 @@ import os
 import sys
 import time
 
-
 from cluster.cli.common import load_built_config
-from cluster.config.layout import check_host
+from cluster.config.layout import ClusterSpec, check_host
 from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
-from cluster.serving.ops.ray_node import load_head, save_head, start_node, token_file, use_token
+from cluster.serving.ops.attached import (clear_attached, find_attached, ignore_stop_signals, interrupt_on_sigterm,
+                                          save_attached, shut_down, stop_attached, wait_until_stopped)
+from cluster.serving.ops.ray_node import (gcs_up, head_state_file, load_head, save_head, start_node, token_file,
+                                          use_token)
 from protos.ray_private import check_startup
 
 
@@ -38,9 +40,11 @@ def add_cluster_commands(sub) -> None:
     s.add_argument("--config", default="configs/local.yaml", help="YAML config (default: configs/local.yaml)")
     s.add_argument("--path", help="the config's path where Serve runs (default: --config), e.g. /app/configs/x.yaml")
 
-    d = sub.add_parser("down", help="delete the served application (and optionally stop the local Ray)")
-    d.add_argument("--address", help="Ray cluster address (default: the head `up --detach` started)")
-    d.add_argument("--app", default="specserve", help="application name (cluster.app_name)")
+    d = sub.add_parser("down", help="stop an attached `specserve up`, or delete the served application (and "
+                       "optionally stop the local Ray)")
+    d.add_argument("--address", help="Ray cluster address (default: the attached `specserve up`'s, which then "
+                   "stops itself; else the head `up --detach` started)")
+    d.add_argument("--app", help="application name (cluster.app_name; default: the attached `up`'s, else specserve)")
     d.add_argument("--stop-ray", action="store_true",
                    help="also stop the Ray head `specserve up --detach` started (only that one)")
 
@@ -99,56 +103,74 @@ def _grpc_listen(args, cl) -> tuple[str, str | None, str | None]:
     return host, cert, key
 
 
+ATTACHED_STOP_S = 120.0       # bounds `down` waiting for an attached `up`'s shutdown (each of its steps is bounded)
+
+
 def cmd_up(args) -> int:
     cfg = load_built_config(args.config)
     timeout = check_float("timeout", args.timeout, 1, 86400)
     cl = cfg.cluster
     host, cert, key = _grpc_listen(args, cl)
     check_startup(needs_binding=True)          # the gRPC host / TLS binding patches Ray internals
+    interrupt_on_sigterm()                     # `specserve down` and Ctrl-C stop `up` the same way
     address, node = args.address, None
     if not address:
         node = start_node(port=check_int("ray_port", args.ray_port, 1024, 65535),
                           log_path=token_file().parent / "specserve-head.log")
         address = node.address
-        print(f"specserve: Ray head on {address} (loopback only, token auth: {token_file()})", file=sys.stderr)
+        print(f"specserve: Ray head on {address} (pid {node.pid}; loopback only, token auth: {token_file()})",
+              file=sys.stderr)
     use_token(address)
     import ray
-    ray.init(address=address, namespace="specserve", include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
+    me = None
+    try:
+        ray.init(address=address, namespace="specserve", include_dashboard=False,
+                 runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
+        interrupt_on_sigterm()                 # ray.init replaced it with its own (sys.exit)
+        if not args.detach:                    # from here on `specserve down` asks this process to stop
+            me = save_attached(ray.get_runtime_context().gcs_address, cl.app_name, node)
+        _deploy(cfg, address, host, cert, timeout)
+        for url in metrics_urls():
+            print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
+        if args.detach:
+            if node is not None:
+                save_head(node)
+            print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"),
+                  file=sys.stderr)
+            return 0
+        print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
+        why, serve_running = wait_until_stopped(cl.app_name, own_head=node is not None)
+    except KeyboardInterrupt:                  # Ctrl-C or `specserve down` before SERVING
+        ignore_stop_signals()
+        why, serve_running = "interrupted", ray.is_initialized()
+    except BaseException:                      # not a stop: Serve may be unreachable; stop the driver and head
+        ignore_stop_signals()
+        shut_down(node, serve_running=False)
+        clear_attached(me)
+        raise
+    print(f"specserve: stopping ({STOP_REASONS[why]}) ...", file=sys.stderr)
+    shut_down(node, serve_running=serve_running)
+    clear_attached(me)
+    print("specserve: stopped" + (f", Ray head (pid {node.pid}) included" if node else ""), file=sys.stderr)
+    return 0
+
+
+STOP_REASONS = {"interrupted": "Ctrl-C or `specserve down`", "deleted": "another driver deleted the application",
+                "serve-gone": "another driver shut Serve down"}
+
+
+def _deploy(cfg, address: str, host: str, cert: str | None, timeout: float) -> None:
+    cl = cfg.cluster
     topology, why = cl.placement()
     print(f"specserve: deploying {cfg.source} (topology {topology}: {why}, tp_size {cl.tp_size}, "
           f"replicas {cl.replicas}) ...", file=sys.stderr)
-    try:
-        start_serve(cfg, address=address)
-        with SpecServeClient(f"{_dial(host)}:{cl.grpc_port}", app=cl.app_name, **_tls(cert)) as c:
-            c.wait_ready(timeout)
-    except BaseException:
-        if node is not None:
-            node.stop()
-        raise
+    start_serve(cfg, address=address)
+    with SpecServeClient(f"{_dial(host)}:{cl.grpc_port}", app=cl.app_name, **_tls(cert)) as c:
+        c.wait_ready(timeout)
     grpc_mode = "TLS" if cert else "plaintext" + (" (loopback only)" if host == "127.0.0.1" else
                                                    ": no certificate configured, the bearer key travels in clear")
     print(f"specserve: SERVING  gRPC {host}:{cl.grpc_port} {grpc_mode} (specserve.v1.SpecServe)  "
           f"HTTP http://{cl.http_host}:{cl.http_port}/v1/completions", file=sys.stderr)
-    for url in metrics_urls():
-        print(f"specserve: Prometheus metrics  {url}", file=sys.stderr)
-    if args.detach:
-        if node is not None:
-            save_head(node)
-        print("specserve: detached; stop with `specserve down" + (" --stop-ray`" if node else "`"), file=sys.stderr)
-        return 0
-    print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
-    from ray import serve
-    try:
-        while cl.app_name in serve.status().applications:     # returns after `specserve down`
-            time.sleep(2)
-    except KeyboardInterrupt:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        if node is not None:
-            node.stop()
-    return 0
 
 
 def _dial(host: str) -> str:
@@ -170,23 +192,43 @@ def metrics_urls() -> list[str]:
 
 def cmd_down(args) -> int:
     head = load_head()
-    address = args.address or (head.address if head else "auto")
-    use_token(address)
-    import ray
-    from ray import serve
-    try:
-        ray.init(address=address, namespace="specserve", include_dashboard=False)
-    except ConnectionError as e:
-        print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
-        return 1
-    serve.delete(args.app)
-    serve.shutdown()
-    ray.shutdown()
-    if args.stop_ray:
+    up = find_attached(args.address)
+    if up is not None and args.app not in (None, up.app):
+        raise ParamError("app", f"the application of the attached `specserve up` ({up.app})", args.app)
+    if up is not None:
+        # An attached `up` owns every shutdown step (cluster/serving/ops/attached.py): ask it, wait for it
+        print(f"specserve: asking `specserve up` (pid {up.pid}) to stop {up.app} ...", file=sys.stderr)
+        start = time.monotonic()
+        if not stop_attached(up, ATTACHED_STOP_S):
+            print(f"specserve: `specserve up` (pid {up.pid}) still running {ATTACHED_STOP_S:.0f}s after it was asked "
+                  "to stop; see its output", file=sys.stderr)
+            return 1
+        print(f"specserve: {up.app} stopped by its `specserve up` (pid {up.pid})"
+              + (f" with its Ray head (pid {up.head_pid})" if up.head_pid else "")
+              + f" in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    else:
+        address = args.address or (head.address if head else "auto")
+        if address != "auto" and not gcs_up(address):       # ray.init would retry a closed port for minutes
+            print(f"specserve: no Ray cluster at {address} (nothing listens there)", file=sys.stderr)
+            return 1
+        use_token(address)
+        import ray
+        from ray import serve
+        try:
+            ray.init(address=address, namespace="specserve", include_dashboard=False)
+        except ConnectionError as e:
+            print(f"specserve: no Ray cluster at {address}: {e}", file=sys.stderr)
+            return 1
+        app = args.app or ClusterSpec.app_name
+        serve.delete(app)
+        serve.shutdown()
+        ray.shutdown()
+        print(f"specserve: {app} stopped", file=sys.stderr)
+    if args.stop_ray and not (up is not None and up.head_pid):        # an attached up stopped its own head
         if head is None:
             print("specserve: no Ray head started by `specserve up --detach` is running", file=sys.stderr)
         else:
             head.stop()
+            head_state_file().unlink(missing_ok=True)
             print(f"specserve: Ray head {head.address} (pid {head.pid}) stopped", file=sys.stderr)
-    print(f"specserve: {args.app} stopped", file=sys.stderr)
     return 0

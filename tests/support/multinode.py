@@ -105,16 +105,7 @@ class MultiNode:
         return out
 
     def session_processes(self) -> list[psutil.Process]:
-        """Every process of this cluster started from its Ray temp dir, and their children (workers)."""
-        mark = str(temp_dir(self.port))
-        roots = [p for p in psutil.process_iter(["cmdline"]) if any(mark in a for a in p.info["cmdline"] or ())]
-        out = {p.pid: p for p in roots}
-        for p in roots:
-            try:
-                out.update({c.pid: c for c in p.children(recursive=True)})
-            except psutil.NoSuchProcess:
-                pass
-        return list(out.values())
+        return session_processes(self.port)
 
     def raylet_pid(self, name: str) -> int:
         (raylet,) = [p for p in psutil.Process(self.workers[name].pid).children(recursive=True)
@@ -140,6 +131,20 @@ class MultiNode:
         return subprocess.run([sys.executable, "-m", "cluster.cli.main", "up", "--config", str(config),
                                "--address", self.address, "--detach", "--timeout", "300"],
                               env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+def session_processes(port: int) -> list[psutil.Process]:
+    """Every process of the cluster whose GCS port is ``port`` started from its Ray temp dir, and their children
+    (workers)."""
+    mark = str(temp_dir(port))
+    roots = [p for p in psutil.process_iter(["cmdline"]) if any(mark in a for a in p.info["cmdline"] or ())]
+    out = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            out.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    return list(out.values())
 
 
 def _title(p: psutil.Process) -> str:

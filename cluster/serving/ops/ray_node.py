@@ -103,7 +103,8 @@ class RayNode:
         stop_pid(self.pid, timeout)
 
 
-def _gcs_up(address: str) -> bool:
+def gcs_up(address: str) -> bool:
+    """Whether something accepts TCP connections at a GCS address (``host:port``)."""
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):
@@ -153,7 +154,7 @@ def start_node(*, port: int, head_address: str | None = None, node_ip: str = LOO
     proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     address = head_address or f"{node_ip}:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
-    while head_address is None and not _gcs_up(address):     # a joining node: the caller waits in ray.nodes()
+    while head_address is None and not gcs_up(address):     # a joining node: the caller waits in ray.nodes()
         if proc.poll() not in (None, 0) or (proc.poll() == 0 and block):
             raise RuntimeError(f"ray start exited with {proc.returncode} (see {log_path or 'its output'})")
         if time.monotonic() > deadline:
