@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import forward_cost_grid
 from cluster.models.batched import BatchedHFWorker
+from cluster.models import slot_cache
 from cluster.models.head import AcceptanceHead
 from cluster.models.tiny import tiny_llama, truncated
 from tests.support.reference_worker import HFWorker
@@ -157,3 +158,32 @@ def test_forward_cost_grid_smoke():
     grid = forward_cost_grid(bw, rows=(1, 3), new_tokens=(1, 2), context=16, iters=2)
     assert set(grid) == {(1, 1), (1, 2), (3, 1), (3, 2)} and all(v > 0 for v in grid.values())
     assert bw.active_requests() == [] and kv_tokens(bw) == 0
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa", "eager"])
+def test_strided_view_gives_the_copys_logits_exactly(kind, monkeypatch):
+    """Large rows reach attention as a strided view of the slot buffer, small ones as a copy
+    (slot_cache._VIEW_BYTES): both must give bit-identical logits, ragged rows and grown capacity included."""
+    runs = {}
+    for limit in (1 << 62, 0):                           # every forward copied / every forward a view
+        monkeypatch.setattr(slot_cache, "_VIEW_BYTES", limit)
+        bw, _ = make(kind)
+        seen = []
+        update = slot_cache.SlotLayer.update
+        monkeypatch.setattr(slot_cache.SlotLayer, "update",
+                            lambda self, *a, **kw: _record(seen, update(self, *a, **kw)))
+        lens = {"a": 3, "b": 17, "c": 40}
+        bw.prefill_batch([(rid, prompt(n, i), GREEDY, i) for i, (rid, n) in enumerate(lens.items())])
+        out = [bw.score_batch([("a", [5, 6]), ("b", []), ("c", [7, 8, 9, 10, 11])])]
+        bw.extend("b", prompt(90, 4))                    # capacity past 64: the rows' [:T] is a strided slice
+        out.append(bw.score_batch([("a", [1]), ("b", [6, 7]), ("c", [8])]))
+        runs[limit] = ([lg for step in out for lg in step], seen)
+        monkeypatch.undo()
+    (copied, c_seen), (viewed, v_seen) = runs[1 << 62], runs[0]
+    assert all(c_seen) and not all(v_seen)               # both paths taken
+    assert all(torch.equal(a, b) for a, b in zip(copied, viewed))
+
+
+def _record(seen: list, kv):
+    seen.append(kv[0].is_contiguous())
+    return kv
