@@ -41,7 +41,7 @@ was only ever such a step, which measured slower than a run of the same k and ke
 (docs/cluster.md, "The load-aware planner served"); hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
-``B_g * T_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
+``B_g * E_k / (S_k * R_k)`` (E_k from the acceptance model), the cost model standing in for arms with too few samples; k > 0 must beat
 k = 0 by ``margin`` (10 %: measured in-process at 32 rows, a speculating arm within a few percent of plain
 decoding flipped the band back and forth on timing noise, and each flip paid a catch-up).
 

@@ -346,14 +346,15 @@ def test_hopeless_probes_are_skipped_once_a_draft_length_is_measured():
     assert ks.count(8) >= planner.probe_run and ks.count(1) >= planner.probe_run
 
 
-def test_tokens_per_step_count_by_their_mean():
-    """Tokens per step are bimodal (a whole draft accepted, or an early reject): 1, 5, 1, 5, 1 has median 1
-    and mean 2.6; goodput needs the mean."""
+def test_an_arms_tokens_come_from_the_acceptance_model_not_its_last_samples():
+    """Max-Gram's acceptance comes in stretches: an arm's last samples (probe runs of correlated steps) can be
+    a stretch of misses, 1 token per step at k = 4, where the acceptance model at the pooled alpha expects 2.6.
+    The estimate uses the model: 2.6 tokens in 10 ms."""
     from collections import deque
 
     from cluster.engine.arms import Band, Pending, estimate
-    band = Band(tokens={4: deque([1.0, 5.0, 1.0, 5.0, 1.0])}, times={4: deque([1.0] * 5)})
-    p = Pending(("d", 0), 4, 4, [1.0] * 5, [0.01] * 5, [(None, 0)])
+    band = Band(tokens={4: deque([1.0] * 12)}, times={4: deque([1.0] * 12)})
+    p = Pending(("d", 0), 4, 4, [1.0, 1.5, 1.9, 2.3, 2.6], [0.01] * 5, [(None, 0)])
     assert estimate(band, p, 4, prior_samples=2) == pytest.approx(2.6 / 0.01)
 
 
