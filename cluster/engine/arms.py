@@ -11,12 +11,12 @@ catch-up, the engine's own work, round trips).
 of the arm's last time samples, topped up to ``prior_samples`` with pseudo-samples, and E_k the acceptance
 model's tokens per row and step (Leviathan et al., *Fast Inference from Transformers via Speculative Decoding*,
 eq. 1: ``(1 - alpha^(k+1)) / (1 - alpha)``, the mean over the group's rows), each request's alpha estimated
-from all its drafting steps (:mod:`cluster.engine.acceptance`) -- not the arm's own last token samples.
-Measured in-process at one row with Max-Gram, whose acceptance comes in stretches, the mean of an arm's last
-12 samples (four probe runs of three correlated steps) read 1.42 tokens per step at k = 4 and 1.25 at k = 2,
-where continuous runs commit 2.0 and 1.75 and the model at the pooled alpha = 0.51 gives 1.97 and 1.77: the
-band settled on plain decoding at 0.98x autoregressive, against fixed k = 4's 1.37x.  (The model overrates a
-long draft of drafter-large by ~5 %, 3.71 against 3.52 measured at k = 4: acceptance falls along a draft.)
+from all its drafting steps (:mod:`cluster.engine.acceptance`), the drafted part scaled by the drafter's
+measured / modelled drafted tokens over its last drafting steps in any band (``Acceptance.scale``: a cascade
+drafts a block where the model counts k) -- not the arm's own last token samples: with a drafter whose
+acceptance comes in stretches (Max-Gram), an arm's last samples are a few probe runs of correlated steps, and a
+stretch of misses read as a k > 0 that commits little kept a band on plain decoding where fixed k won
+(docs/cluster.md, "The planner's estimates, mended", has the numbers).
 Where a band of the same drafter at most two bands away has ``prior_samples`` time samples of arm k
 (:func:`nearby`), R_k is the nearest such band's: a band the batch enters for the first time starts from what
 its neighbour measured -- at 16 rows, that speculation lost at 8 -- rather than from the cost model, which
@@ -28,16 +28,15 @@ until an arm has samples, and two samples decide.
 
 **Choice.**  Among k = 0 and the k > 0 measured in this band or a neighbouring one (every k while none
 is); the best k > 0 only if it beats k = 0 by ``margin``; ties go to the smaller k.  A k > 0 replaces the
-band's current best k > 0 only by beating it by half the margin: at one row k = 3 and k = 4 measure within
-timing noise of each other, and each flip of the best restarted the probing (a quarter of the band's plans were
-probes in-process: 44 runs of 3 plans in ~500); plain decoding needs no such lead, so leaving speculation stays
-immediate.  Other draft lengths are
+band's current best k > 0 only by beating it by half the margin: neighbouring draft lengths often measure within
+timing noise of each other, and each flip of the best restarted the probing; plain decoding needs no such
+lead, so leaving speculation stays immediate.  Other draft lengths are
 reached by probes (:func:`neighbours`).
 """
 from __future__ import annotations
 
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 BANDS = ("1", "2-3", "4-7", "8-15", "16-31", "32+")
@@ -101,12 +100,10 @@ def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
 
 def borrow(band: Band, p: Pending, k: int) -> float:
     """The time ratio an unmeasured k > 0 borrows: linear between the nearest measured k > 0 below and above
-    it (the nearer one's beyond them); where no k > 0 is measured, plain decoding's excess over its modelled
-    seconds, added to k's modelled seconds (the engine's work per row is added to a step, not multiplied into
-    it: measured in-process at 32 rows, every step forced to one k, the real step exceeded the modelled one by
-    4.9, 6.0, 5.5 and 6.8 ms at k = 0, 1, 2, 4 while real / modelled fell from 1.41 to 1.12 -- lent as a
-    ratio of 1, the cost model's, an unmeasured k > 0 looked 28 % better than it is, and the planner left
-    plain decoding for k = 1, which ran at 0.89x of it); 1 (the cost model) when nothing is measured."""
+    it (the nearer one's beyond them); where no k > 0 is measured, the ratio that adds plain decoding's excess
+    seconds over its modelled ones to k's modelled seconds (the engine's per-row work adds to a step rather than
+    multiplying it: lent as the cost model's ratio 1, an unmeasured k > 0 looked better than plain decoding where
+    it was not; docs/cluster.md, "The planner's estimates, mended"); 1 (the cost model) when nothing is measured."""
     near = {j: statistics.median(r) for j, r in band.times.items() if j > 0 and j != k and r}
     lo, hi = max((j for j in near if j < k), default=None), min((j for j in near if j > k), default=None)
     if lo is not None and hi is not None:
@@ -160,3 +157,13 @@ def neighbours(best: int, k_max: int) -> list[int]:
     while k = 4 wins), so a walk over neighbours alone can stall at k = 0."""
     out = [k for k in (best + 1, best - 1, 0, k_max) if 0 <= k <= k_max and k != best]
     return list(dict.fromkeys(out)) or [best]
+
+
+def prefill_share(band: Band, p: Pending, window: int) -> float:
+    """Arm k's mean drafter-prefill seconds per step (``p.prefill`` this step's), over its last ``4 * window`` steps
+    but never over fewer than ``window`` (the first steps of a band are each a request's first drafting step)."""
+    if p.k == 0:
+        return 0.0
+    seen = band.prefills.setdefault(p.k, deque(maxlen=4 * window))
+    seen.append(p.prefill)
+    return sum(seen) / max(len(seen), window)

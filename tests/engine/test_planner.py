@@ -384,6 +384,21 @@ def test_near_tied_draft_lengths_do_not_flip_the_best():
     assert run(0.0)[0] > flips                           # no margin, no hysteresis: the best follows the noise
 
 
+def test_the_acceptance_model_is_scaled_by_what_the_drafter_commits():
+    """The model counts a draft of k tokens; a CS Drafting cascade planned at k = 1 drafts a block: 3.75 tokens
+    beyond the target's own per step against the model's 0.81.  The drafter's scale is measured / modelled over
+    its drafting steps, shrunk toward 1 by 4 pseudo-tokens; with no steps it is 1."""
+    from cluster.engine.acceptance import Acceptance
+    acc = Acceptance()
+    assert acc.scale("cascade") == 1.0
+    for _ in range(10):
+        acc.drafted("cascade", 3.75, 0.81)
+    assert acc.scale("cascade") == pytest.approx((37.5 + 4) / (8.1 + 4))
+    for _ in range(300):                                # a window of the last 256 steps
+        acc.drafted("cascade", 0.81, 0.81)
+    assert acc.scale("cascade") == pytest.approx(1.0)
+
+
 def test_an_unmeasured_draft_length_borrows_plain_decodings_excess_seconds():
     """Measured in-process at 32 rows (every step forced to one k), the real step exceeded the modelled one by
     about the same seconds at every k (4.9-6.8 ms) while real / modelled fell from 1.41 to 1.12: the engine's
