@@ -36,7 +36,7 @@ reached by probes (:func:`neighbours`).
 from __future__ import annotations
 
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 BANDS = ("1", "2-3", "4-7", "8-15", "16-31", "32+")
@@ -67,7 +67,6 @@ class Band:
     probes: int = 0
     seconds: float = 0.0         # wall seconds of the band's observed steps
     probe_seconds: float = 0.0   # ... of those that ran a probe or switched back from one (exploring)
-    prefills: dict = field(default_factory=dict)  # k -> deque of drafter-prefill seconds per step (k > 0)
 
 
 @dataclass
@@ -159,11 +158,12 @@ def neighbours(best: int, k_max: int) -> list[int]:
     return list(dict.fromkeys(out)) or [best]
 
 
-def prefill_share(band: Band, p: Pending, window: int) -> float:
-    """Arm k's mean drafter-prefill seconds per step (``p.prefill`` this step's), over its last ``4 * window`` steps
-    but never over fewer than ``window`` (the first steps of a band are each a request's first drafting step)."""
+def prefill_share(p: Pending, per_row: float) -> float:
+    """The drafter prefill a drafting step owes, ``per_row`` seconds per request spread over the request's tokens:
+    each row's share is the fraction of its ``max_new_tokens`` this step committed.  In steady state that sums to
+    what the arm pays for the requests that join it; charged where paid, a probe on fresh requests paid a whole
+    prefill in three steps, and a band that decodes plainly saw every probe as slow as plain decoding."""
     if p.k == 0:
         return 0.0
-    seen = band.prefills.setdefault(p.k, deque(maxlen=4 * window))
-    seen.append(p.prefill)
-    return sum(seen) / max(len(seen), window)
+    return per_row * sum((s.ctx.stats.generated_tokens - n) / max(getattr(s.req, "max_new_tokens", 0) or 1, 1)
+                         for s, n in p.rows)

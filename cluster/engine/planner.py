@@ -28,16 +28,15 @@ is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
 :func:`cluster.core.forward_cost.plan_draft_length`); it decides only arms that no band near has measured.
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time (the engine's: from the plan to the
-next step; a late drafter prefill in it is replaced by the arm's mean share, :meth:`prefilled`); the tokens
+next step; a late drafter prefill in it is replaced by its share per token, :meth:`prefilled`); the tokens
 the step committed are read at the next plan from the growth of each row's ``ctx.stats.generated_tokens``,
 over the rows that ran the planned k in full (not a request's last steps, cut by its budget).  The arm gets
 two samples: committed tokens per row (which calibrate the acceptance model, ``Acceptance.scale``) and real /
 modelled step seconds, which carry what the forward costs miss (the engine's own work, round trips).  The step where a
 drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
 plain steps before it, and had no block pre-drafted during the last verification (separated topology), so
-it costs what switching costs, not what k costs.  A one-step probe of k > 0 from a band settled on k = 0
-was only ever such a step, which measured slower than a run of the same k and kept the band at k = 0
-(docs/cluster.md, "The load-aware planner served"); hence runs of ``probe_run`` plans.
+it costs what switching costs, not what k costs; a one-step probe would be only such a step (docs/cluster.md,
+"The load-aware planner served"); hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
 ``B_g * E_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
@@ -59,11 +58,9 @@ drafters' catch-up on every token they missed, or their first prefill.  Where sp
 batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
 counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
-**Acceptance** (E_k): per request, shrunk toward its drafter's, read from the requests' counters
-(:mod:`cluster.engine.acceptance`).
-
-The measuring lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots);
-given a ``measure`` callable instead of costs, the planner measures on the first step that plans.
+**Acceptance** (E_k): per request, shrunk toward its drafter's (:mod:`cluster.engine.acceptance`).  The measuring
+lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots); given a ``measure``
+callable instead of costs, the planner measures on the first step that plans.
 """
 from __future__ import annotations
 
@@ -121,6 +118,7 @@ class Planner:
         self.last: dict[str, tuple[int, int, float]] = {}
         self._bands: dict[tuple[str, int], Band] = {}
         self._pending: list[Pending] = []              # the last plan's groups, until their step is measured
+        self._prefills: dict[str, deque] = {}          # drafter -> recent drafter-prefill seconds per request
 
     def alpha(self, drafter: str) -> float:
         """The drafter's global acceptance estimate (prior + finished + live requests)."""
@@ -135,13 +133,14 @@ class Planner:
 
     def prefilled(self, seqs, seconds: float = 0.0) -> None:
         """The engine prefilled the drafters of ``seqs`` (their first drafting step) inside the step just planned,
-        in ``seconds``: a cost of drafting at all, paid once per request, which that step's time sample carries as
-        the arm's mean prefill seconds per step (:func:`cluster.engine.arms.prefill_share`), not whole or not at
-        all (left out, it hid the cost where requests join on nearly every step: at high batch)."""
+        in ``seconds``: a cost of drafting at all, paid once per request, which time samples carry spread over
+        each request's tokens (:func:`cluster.engine.arms.prefill_share`), not whole or not at all (left out, it
+        hid the cost where requests join on nearly every step: at high batch)."""
         ids = {id(s) for s in seqs}
         for p in self._pending:
             if any(id(s) in ids for s, _ in p.rows):
                 p.prefill += float(seconds)
+                self._prefills.setdefault(p.key[0], deque(maxlen=64)).append(seconds / max(len(seqs), 1))
                 break
 
     def _settle(self) -> None:
@@ -164,7 +163,8 @@ class Planner:
                 self.acceptance.drafted(p.key[0], tokens / len(p.rows) - 1.0, p.expected[p.k] - 1.0)
             if not p.switched:                           # a switch's step is not what k costs (docstring)
                 band.times.setdefault(p.k, deque(maxlen=self.window)).append(
-                    (p.seconds - p.prefill + prefill_share(band, p, self.window)) / p.modelled[p.k])
+                    (p.seconds - p.prefill + prefill_share(p, statistics.fmean(self._prefills.get(p.key[0]) or [0.0])))
+                    / p.modelled[p.k])
             band.samples[p.k] += 1
             if p.probe_at is not None:                   # a probe: back off unless it beats the best by the margin
                 won = estimate(band, p, p.k, self.prior_samples) > \

@@ -304,14 +304,15 @@ def test_a_switch_of_k_costs_no_time_sample():
     assert planner.report()[("d", "1")]["arms"][4][2] == pytest.approx(0.014 / modelled)   # steady steps only
 
 
-def test_a_drafter_prefill_is_spread_over_the_arms_steps():
+def test_a_drafter_prefill_is_spread_over_the_requests_tokens():
     """A planned request's drafters are prefilled inside its first drafting step (cluster/engine/prefill.py).
-    That step's 90 ms prefill is a cost of drafting at all (plain decoding never pays it), paid once per
-    request: every step of the arm carries its mean share (here over the first ``window`` = 12 steps: 7.5 ms),
-    not the step that paid it alone (100 ms: one sample 10x the others) nor none (as if drafting cost nothing
-    beyond its forwards, which at 16 rows hid a prefill on nearly every step)."""
+    That 90 ms is a cost of drafting at all (plain decoding never pays it), paid once per request: every drafting
+    step carries its share by the tokens it commits (5 of the request's 60 here: 7.5 ms), not the step that paid
+    it alone (one sample 10x the others; a probe on fresh requests paid a whole prefill in three steps) nor none
+    (as if drafting cost nothing beyond its forwards, which at high batch hid a prefill on nearly every step)."""
     planner = Planner({"t": FLAT}, "t", probe_every=0)
     seq = _seq(drafter="mag", k=4)
+    seq.req.max_new_tokens = 60
     planner.plan([seq])
     planner.prefilled([seq], 0.090)
     seq.ctx.stats.generated_tokens += 5
