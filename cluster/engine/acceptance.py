@@ -88,7 +88,9 @@ class Acceptance:
 
     def scale(self, drafter: str) -> float:
         """The drafter's measured / modelled drafted tokens over its last drafting steps in every band (acceptance
-        does not depend on the batch), shrunk toward 1 by 4 pseudo-tokens.  The model counts a draft of k tokens;
-        a CS Drafting cascade planned at k = 1 drafts a whole block, several times what the model counts."""
+        does not depend on the batch), shrunk toward 1 by one pseudo-token.  The model counts a draft of k tokens;
+        a CS Drafting cascade planned at k = 1 drafts a whole block, several times what the model counts, and its
+        first steps must correct that: a band that decodes plainly on an uncalibrated model drafts again only
+        through its probes."""
         pairs = self._drafted.get(drafter, ())
-        return (sum(m for m, _ in pairs) + 4.0) / (sum(e for _, e in pairs) + 4.0) if pairs else 1.0
+        return (sum(m for m, _ in pairs) + 1.0) / (sum(e for _, e in pairs) + 1.0) if pairs else 1.0

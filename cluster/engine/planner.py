@@ -98,7 +98,7 @@ class Planner:
                  prior_alpha: float = 0.8, prior_weight: float = 4.0, probe_every: int = 8, backoff: int = 16,
                  window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
                  history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5,
-                 probe_budget: float = 0.03):
+                 probe_budget: float = 0.1):
         if costs is None and measure is None:
             raise ValueError("Planner: give costs or a measure callable")
         if costs is not None and target not in costs:

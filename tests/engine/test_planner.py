@@ -226,7 +226,7 @@ def _switching(planner, steps, steady, switch):
 def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
     """k = 1 ties plain decoding in steady state (2 tokens in 19.5 ms against 1 in 10 ms: inside the margin),
     but entering it costs a 200 ms catch-up, which no time sample shows.  Once the band decodes plainly its
-    probes take at most ``probe_budget`` (here 10 %; the default is 3 %) of its wall time (one run and its
+    probes take at most ``probe_budget`` (10 %) of its wall time (one run and its
     switch back may exceed it before the next is barred); with no budget the backed-off probes take a third."""
     drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})                  # the prior says k = 0
     steady = lambda k: 0.010 if k == 0 else 0.0195                        # noqa: E731
@@ -388,13 +388,13 @@ def test_near_tied_draft_lengths_do_not_flip_the_best():
 def test_the_acceptance_model_is_scaled_by_what_the_drafter_commits():
     """The model counts a draft of k tokens; a CS Drafting cascade planned at k = 1 drafts a block: 3.75 tokens
     beyond the target's own per step against the model's 0.81.  The drafter's scale is measured / modelled over
-    its drafting steps, shrunk toward 1 by 4 pseudo-tokens; with no steps it is 1."""
+    its drafting steps, shrunk toward 1 by one pseudo-token; with no steps it is 1."""
     from cluster.engine.acceptance import Acceptance
     acc = Acceptance()
     assert acc.scale("cascade") == 1.0
     for _ in range(10):
         acc.drafted("cascade", 3.75, 0.81)
-    assert acc.scale("cascade") == pytest.approx((37.5 + 4) / (8.1 + 4))
+    assert acc.scale("cascade") == pytest.approx((37.5 + 1) / (8.1 + 1))
     for _ in range(300):                                # a window of the last 256 steps
         acc.drafted("cascade", 0.81, 0.81)
     assert acc.scale("cascade") == pytest.approx(1.0)
