@@ -10,6 +10,7 @@ k = 4 it reads 0.59.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -46,6 +47,7 @@ class Acceptance:
         self.prior_alpha, self.prior_weight, self.memory = float(prior_alpha), float(prior_weight), memory
         self._tracks: dict[int, Track] = {}           # id(live sequence) -> what was read of its stats
         self._retired: dict[str, list[float]] = {}     # drafter -> [accepts, rejects] of finished requests
+        self._drafted: dict[str, deque] = {}           # drafter -> (measured, modelled) drafted tokens per step
 
     def read(self, seq, drafter: str) -> Track:
         """The request's track, brought up to date with its stats (a new one if it changed drafter)."""
@@ -79,3 +81,16 @@ class Acceptance:
             n = tot[0] + tot[1]
             if self.memory and n > self.memory:
                 tot[0], tot[1] = tot[0] * self.memory / n, tot[1] * self.memory / n
+
+    def drafted(self, drafter: str, measured: float, modelled: float, keep: int = 256) -> None:
+        """One drafting step's tokens beyond the target's own per row: measured, and as the model expected."""
+        self._drafted.setdefault(drafter, deque(maxlen=keep)).append((measured, modelled))
+
+    def scale(self, drafter: str) -> float:
+        """The drafter's measured / modelled drafted tokens over its last drafting steps in every band (acceptance
+        does not depend on the batch), shrunk toward 1 by one pseudo-token.  The model counts a draft of k tokens;
+        a CS Drafting cascade planned at k = 1 drafts a whole block, several times what the model counts, and its
+        first steps must correct that: a band that decodes plainly on an uncalibrated model drafts again only
+        through its probes."""
+        pairs = self._drafted.get(drafter, ())
+        return (sum(m for m, _ in pairs) + 1.0) / (sum(e for _, e in pairs) + 1.0) if pairs else 1.0

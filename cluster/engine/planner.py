@@ -28,20 +28,18 @@ is ``B_g * E_k / S_k`` tokens per second (the open-loop choice of
 :func:`cluster.core.forward_cost.plan_draft_length`); it decides only arms that no band near has measured.
 
 **Measurement.**  :meth:`Planner.observe` receives the step's wall time (the engine's: from the plan to the
-next step, the late prefill of the drafters of a request that drafts for the first time included); the
-tokens the step committed are read at the next plan from the growth of each row's
-``ctx.stats.generated_tokens``, over the rows that ran the planned k in full (not those whose remaining
-budget cut it: a request's last steps).  The arm that ran gets two samples: committed tokens per row, and
-real / modelled step seconds.  Both are comparable across batch sizes and acceptance estimates within a band,
-and the second carries what the forward costs miss (the engine's own work, round trips).  The step where a
+next step; a late drafter prefill in it is replaced by its share per token, :meth:`prefilled`); the tokens
+the step committed are read at the next plan from the growth of each row's ``ctx.stats.generated_tokens``,
+over the rows that ran the planned k in full (not a request's last steps, cut by its budget).  The arm gets
+two samples: committed tokens per row (which calibrate the acceptance model, ``Acceptance.scale``) and real /
+modelled step seconds, which carry what the forward costs miss (the engine's own work, round trips).  The step where a
 drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
 plain steps before it, and had no block pre-drafted during the last verification (separated topology), so
-it costs what switching costs, not what k costs.  A one-step probe of k > 0 from a band settled on k = 0
-was only ever such a step, which measured slower than a run of the same k and kept the band at k = 0
-(docs/cluster.md, "The load-aware planner served"); hence runs of ``probe_run`` plans.
+it costs what switching costs, not what k costs; a one-step probe would be only such a step (docs/cluster.md,
+"The load-aware planner served"); hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
-``B_g * T_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
+``B_g * E_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat
 k = 0 by ``margin`` (10 %: measured in-process at 32 rows, a speculating arm within a few percent of plain
 decoding flipped the band back and forth on timing noise, and each flip paid a catch-up).
 
@@ -50,22 +48,19 @@ plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max i
 plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
 is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
 won -- beat the best's estimate by ``margin``: in a band where arms tie within timing noise, probes that won
-by less reset the interval again and again, and a third of a 16-row band's steps were probes, each paying a
-catch-up -- (one further the same way: hill climbing) or one of an arm with fewer than ``prior_samples`` samples
+by less reset the interval again and again, each paying a catch-up -- (one further the same way: hill
+climbing) or one of an arm with fewer than ``prior_samples`` samples
 (the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
 lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  A band that decodes
 plainly starts a scheduled probe only while its probe runs (and their switches back) have taken at most
 ``probe_budget`` of its observed wall time: a probe's first step pays what no time sample shows -- the
-drafters' catch-up on every token they missed, or their first prefill -- which in a 16-row CS Drafting band
-cost more than the plain steps between probes.  Where speculation
-does not pay (high batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
+drafters' catch-up on every token they missed, or their first prefill.  Where speculation does not pay (high
+batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
 counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
-**Acceptance** (feeds the prior): per request, shrunk toward its drafter's, read from the requests' counters
-(:mod:`cluster.engine.acceptance`).
-
-The measuring lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots);
-given a ``measure`` callable instead of costs, the planner measures on the first step that plans.
+**Acceptance** (E_k): per request, shrunk toward its drafter's (:mod:`cluster.engine.acceptance`).  The measuring
+lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots); given a ``measure``
+callable instead of costs, the planner measures on the first step that plans.
 """
 from __future__ import annotations
 
@@ -77,7 +72,7 @@ from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import Acceptance
-from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours
+from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours, prefill_share
 
 log = logging.getLogger("specserve.planner")
 
@@ -123,6 +118,7 @@ class Planner:
         self.last: dict[str, tuple[int, int, float]] = {}
         self._bands: dict[tuple[str, int], Band] = {}
         self._pending: list[Pending] = []              # the last plan's groups, until their step is measured
+        self._prefills: dict[str, deque] = {}          # drafter -> recent drafter-prefill seconds per request
 
     def alpha(self, drafter: str) -> float:
         """The drafter's global acceptance estimate (prior + finished + live requests)."""
@@ -135,13 +131,17 @@ class Planner:
             if p.seconds is None:
                 p.seconds = float(seconds)
 
-    def prefilled(self, seqs) -> None:
-        """The engine prefilled the drafters of ``seqs`` inside the step just planned (their first drafting
-        step): like a switch's, that step's time is not what its k costs, so it gives no time sample."""
+    def prefilled(self, seqs, seconds: float = 0.0) -> None:
+        """The engine prefilled the drafters of ``seqs`` (their first drafting step) inside the step just planned,
+        in ``seconds``: a cost of drafting at all, paid once per request, which time samples carry spread over
+        each request's tokens (:func:`cluster.engine.arms.prefill_share`), not whole or not at all (left out, it
+        hid the cost where requests join on nearly every step: at high batch)."""
         ids = {id(s) for s in seqs}
         for p in self._pending:
             if any(id(s) in ids for s, _ in p.rows):
-                p.switched = True
+                p.prefill += float(seconds)
+                self._prefills.setdefault(p.key[0], deque(maxlen=64)).append(seconds / max(len(seqs), 1))
+                break
 
     def _settle(self) -> None:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
@@ -159,8 +159,12 @@ class Planner:
                 continue
             band = self._bands[p.key]
             band.tokens.setdefault(p.k, deque(maxlen=self.window)).append(tokens / len(p.rows))
+            if p.k > 0:                                  # the drafter's tokens beyond the target's own, vs modelled
+                self.acceptance.drafted(p.key[0], tokens / len(p.rows) - 1.0, p.expected[p.k] - 1.0)
             if not p.switched:                           # a switch's step is not what k costs (docstring)
-                band.times.setdefault(p.k, deque(maxlen=self.window)).append(p.seconds / p.modelled[p.k])
+                band.times.setdefault(p.k, deque(maxlen=self.window)).append(
+                    (p.seconds - p.prefill + prefill_share(p, statistics.fmean(self._prefills.get(p.key[0]) or [0.0])))
+                    / p.modelled[p.k])
             band.samples[p.k] += 1
             if p.probe_at is not None:                   # a probe: back off unless it beats the best by the margin
                 won = estimate(band, p, p.k, self.prior_samples) > \
@@ -246,7 +250,9 @@ class Planner:
         if band is None:
             band = self._bands[key] = Band(interval=self.probe_every, next_probe=self.probe_every)
         alphas = [min(1.0, max(0.0, a)) for a in alphas]
-        p = Pending(key, 0, 0, [sum(expected_tokens(a, k) for a in alphas) / len(alphas) for k in range(k_max + 1)],
+        f = self.acceptance.scale(drafter)
+        p = Pending(key, 0, 0, [1.0 + f * (sum(expected_tokens(a, k) for a in alphas) / len(alphas) - 1.0)
+                                for k in range(k_max + 1)],
                      [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
                       for k in range(k_max + 1)],
                      [(s, s.ctx.stats.generated_tokens) for s in seqs])

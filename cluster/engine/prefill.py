@@ -20,6 +20,8 @@ there is stale until the next step re-prefills it.
 """
 from __future__ import annotations
 
+import time
+
 from cluster.core.calls import PrefillItem, prefill_scored
 from cluster.engine.planner import is_planned
 from cluster.engine.sequence import FINISHED, Sequence
@@ -61,10 +63,11 @@ class Prefilling:
         committed tokens, one batched call per model; one that fails stays stale and steps target-only."""
         drafting = [s for s in running if s.stale and self._planned(s) and not self.stuck(s)
                     and (s.ctx.planned_k or 0) > 0]
+        t0 = time.perf_counter()
         for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
             self._prefill([s for s in drafting if name in s.stale], {name})
         if drafting:
-            self.planner.prefilled(drafting)
+            self.planner.prefilled(drafting, time.perf_counter() - t0)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: stale models), one batched call each.  On

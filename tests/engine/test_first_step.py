@@ -87,7 +87,7 @@ class Plays:
     def observe(self, seconds):
         pass
 
-    def prefilled(self, seqs):
+    def prefilled(self, seqs, seconds=0.0):
         pass
 
 

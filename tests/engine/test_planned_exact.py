@@ -29,7 +29,7 @@ class Scripted:
     def observe(self, seconds):
         pass
 
-    def prefilled(self, seqs):
+    def prefilled(self, seqs, seconds=0.0):
         pass
 
 
