@@ -205,22 +205,35 @@ def test_probes_in_a_band_of_near_ties_back_off():
     assert planner.report()[("mag", "1")]["best"] == 0
 
 
-def _switching(planner, steps, steady, switch):
-    """One row, every draft accepted; a step costs steady(k), plus ``switch`` seconds where k changed (the
-    drafter's catch-up).  -> (planned ks, wall seconds of the steps that ran k > 0 or switched back)."""
-    seq, ks, prev, explored = _seq(drafter="d", k=1), [], 0, 0.0
+def _accept_all(planner, seq, steps, seconds, each=None):
+    """``steps`` plans of one row whose every draft is accepted; a step takes ``seconds(k, previous k)``;
+    ``each()`` after every step.  Returns the planned ks."""
+    ks, prev = [], 0
     for _ in range(steps):
         planner.plan([seq])
         k = seq.ctx.planned_k
         if k:
             seq.ctx.stats.verification(k, k)
         seq.ctx.stats.generated_tokens += k + 1
-        t = steady(k) + (switch if k != prev else 0.0)
-        explored += t if (k or k != prev) else 0.0
-        planner.observe(t)
+        planner.observe(seconds(k, prev))
         ks.append(k)
         prev = k
-    return ks, explored
+        if each is not None:
+            each()
+    return ks
+
+
+def _switching(planner, steps, steady, switch):
+    """One row, every draft accepted; a step costs steady(k), plus ``switch`` seconds where k changed (the
+    drafter's catch-up).  -> (planned ks, wall seconds of the steps that ran k > 0 or switched back)."""
+    explored = [0.0]
+
+    def seconds(k, prev):
+        t = steady(k) + (switch if k != prev else 0.0)
+        explored[0] += t if (k or k != prev) else 0.0
+        return t
+
+    return _accept_all(planner, _seq(drafter="d", k=1), steps, seconds), explored[0]
 
 
 def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
@@ -288,16 +301,7 @@ def test_a_switch_of_k_costs_no_time_sample():
     so the planner climbs to k = 4 (357 tok/s)."""
     drafter = ForwardCost({(1, 1): 0.05, (32, 1): 0.05})          # the prior says k = 0
     planner = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8)
-    seq, ks, prev = _seq(drafter="d", k=4), [], 0
-    for _ in range(160):
-        planner.plan([seq])
-        k = seq.ctx.planned_k
-        if k:
-            seq.ctx.stats.verification(k, k)
-        seq.ctx.stats.generated_tokens += k + 1
-        planner.observe(0.010 + 0.001 * k + (0.040 if k != prev else 0.0))
-        ks.append(k)
-        prev = k
+    ks = _accept_all(planner, _seq(drafter="d", k=4), 160, lambda k, prev: 0.010 + 0.001 * k + 0.040 * (k != prev))
     assert ks[0] == 0
     assert sum(k == 4 for k in ks[-40:]) >= 40 - 2 * planner.probe_run
     modelled = 0.010 + 4 * 0.05                                    # FLAT target + 4 drafter forwards
@@ -369,15 +373,9 @@ def test_near_tied_draft_lengths_do_not_flip_the_best():
 
     def run(margin):
         planner = Planner({"t": FLAT}, "t", probe_every=8, margin=margin)
-        seq, bests = _seq(drafter="mag", k=4), []
-        for _ in range(400):
-            planner.plan([seq])
-            k = seq.ctx.planned_k
-            if k:
-                seq.ctx.stats.verification(k, k)
-            seq.ctx.stats.generated_tokens += k + 1
-            planner.observe(seconds(k, 1))
-            bests.append(planner.report()[("mag", "1")]["best"])
+        bests = []
+        _accept_all(planner, _seq(drafter="mag", k=4), 400, lambda k, prev: seconds(k, 1),
+                    each=lambda: bests.append(planner.report()[("mag", "1")]["best"]))
         return sum(a != b for a, b in zip(bests, bests[1:])), planner.report()[("mag", "1")]["probes"]
 
     flips, probes = run(0.10)
