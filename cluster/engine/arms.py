@@ -85,6 +85,7 @@ class Pending:
     prior: dict = field(default_factory=dict)   # k -> (tokens, time ratio) the nearest band measured
     probing: bool = False        # a step of a probe run, or the switch back from one
     prefill: float = 0.0         # seconds the step spent prefilling joining requests' drafters
+    scale: float = 1.0           # the drafter's measured / modelled drafted tokens the expected ones carry
 
 
 def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:

@@ -157,10 +157,10 @@ class Planner:
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
             if tokens <= 0:
                 continue
-            band = self._bands[p.key]
-            band.tokens.setdefault(p.k, deque(maxlen=self.window)).append(tokens / len(p.rows))
-            if p.k > 0:                                  # the drafter's tokens beyond the target's own, vs modelled
-                self.acceptance.drafted(p.key[0], tokens / len(p.rows) - 1.0, p.expected[p.k] - 1.0)
+            band, tokens = self._bands[p.key], tokens / len(p.rows)
+            band.tokens.setdefault(p.k, deque(maxlen=self.window)).append(tokens)
+            if p.k > 0:                                  # drafted tokens committed vs the model's (unscaled)
+                self.acceptance.drafted(p.key[0], tokens - 1.0, (p.expected[p.k] - 1.0) / p.scale)
             if not p.switched:                           # a switch's step is not what k costs (docstring)
                 band.times.setdefault(p.k, deque(maxlen=self.window)).append(
                     (p.seconds - p.prefill + prefill_share(p, statistics.fmean(self._prefills.get(p.key[0]) or [0.0])))
@@ -234,12 +234,12 @@ class Planner:
             self.last[drafter] = (batch, k, sum(alphas) / len(alphas))
 
     def _hopeless(self, band, p, cand: int, best: int) -> bool:
-        """A probe not worth its run: once the band has measured some k > 0 (so estimates carry measured time
-        ratios), an arm estimated below ``probe_floor`` of the best's goodput.  Measured in-process at 32 rows, a
-        run of the longest draft (k = 8) cost as much as ~25 plain steps and could not win."""
-        if not any(band.times.get(j) for j in range(1, len(p.modelled))):   # this band's own, not borrowed
-            return False                                 # the prior alone decides nothing here: probe
+        """A probe not worth its run: once the band has ``prior_samples`` time samples of some k > 0 (one can be a
+        cold start, which kept a cascade's band plain for good), an arm estimated below ``probe_floor`` of the
+        best's goodput (at high batch a run of the longest draft can cost tens of plain steps and not win)."""
         ps = self.prior_samples
+        if not any(len(band.times.get(j, ())) >= max(ps, 1) for j in range(1, len(p.modelled))):
+            return False                                 # the prior alone decides nothing here: probe
         return estimate(band, p, cand, ps) < self.probe_floor * estimate(band, p, best, ps)
 
     def _plan_group(self, drafter: str, seqs: list, alphas: list[float], batch: int) -> int:
@@ -255,7 +255,7 @@ class Planner:
                                 for k in range(k_max + 1)],
                      [step_seconds(k, drafter_cost, target_cost, len(seqs), batch, self.costs.get(DRAFTS))
                       for k in range(k_max + 1)],
-                     [(s, s.ctx.stats.generated_tokens) for s in seqs])
+                     [(s, s.ctx.stats.generated_tokens) for s in seqs], scale=f)
         p.prior = nearby(self._bands, drafter, key[1], k_max, need=max(self.prior_samples, 1))
         best = choose(band, p, self.prior_samples, self.margin)
         if best != band.best:                            # a new best: look around it soon, upward first
