@@ -82,7 +82,7 @@ class Pending:
     probe_at: int | None = None  # the band's plan number, for a probe
     seconds: float | None = None
     switched: bool = False       # this drafter's k differs from its previous plan's (no time sample)
-    prior: dict = field(default_factory=dict)   # k -> (tokens, time ratio) the nearest band measured
+    prior: dict = field(default_factory=dict)   # k -> the time ratio the nearest band measured
     probing: bool = False        # a step of a probe run, or the switch back from one
     prefill: float = 0.0         # seconds the step spent prefilling joining requests' drafters
     scale: float = 1.0           # the drafter's measured / modelled drafted tokens the expected ones carry
@@ -94,7 +94,7 @@ def estimate(band: Band, p: Pending, k: int, prior_samples: int) -> float:
     tim = list(band.times.get(k, ()))
     near = p.prior.get(k)
     if len(tim) < need:
-        tim += [near[1] if near else borrow(band, p, k) if k > 0 else 1.0] * (need - len(tim))
+        tim += [near if near is not None else borrow(band, p, k) if k > 0 else 1.0] * (need - len(tim))
     return len(p.rows) * p.expected[k] / max(p.modelled[k] * statistics.median(tim), 1e-12)
 
 
@@ -117,8 +117,8 @@ def borrow(band: Band, p: Pending, k: int) -> float:
 
 
 def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
-           need: int = 2) -> dict[int, tuple[float, float]]:
-    """k -> (mean tokens per row and step, median time ratio) of arm k in the nearest other band of
+           need: int = 2) -> dict[int, float]:
+    """k -> the median time ratio of arm k in the nearest other band of
     ``drafter``, at most ``reach`` bands away, that has at least ``need`` samples of it (one sample can be a
     step that paid a prefill or a catch-up; ``bands``: (drafter, band index) -> :class:`Band`); at equal
     distance the larger batch, where speculation pays less."""
@@ -126,15 +126,13 @@ def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
     for k in range(k_max + 1):
         best = None
         for (d, i), band in bands.items():
-            if d != drafter or i == index or abs(i - index) > reach or len(band.times.get(k, ())) < need \
-                    or not band.tokens.get(k):
+            if d != drafter or i == index or abs(i - index) > reach or len(band.times.get(k, ())) < need:
                 continue
             rank = (abs(i - index), -i)
             if best is None or rank < best[0]:
                 best = (rank, band)
         if best is not None:
-            band = best[1]
-            out[k] = (statistics.fmean(band.tokens[k]), statistics.median(band.times[k]))
+            out[k] = statistics.median(best[1].times[k])
     return out
 
 

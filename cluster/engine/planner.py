@@ -136,12 +136,11 @@ class Planner:
         in ``seconds``: a cost of drafting at all, paid once per request, which time samples carry spread over
         each request's tokens (:func:`cluster.engine.arms.prefill_share`), not whole or not at all (left out, it
         hid the cost where requests join on nearly every step: at high batch)."""
-        ids = {id(s) for s in seqs}
-        for p in self._pending:
-            if any(id(s) in ids for s, _ in p.rows):
-                p.prefill += float(seconds)
-                self._prefills.setdefault(p.key[0], deque(maxlen=64)).append(seconds / max(len(seqs), 1))
-                break
+        ids, per_row = {id(s) for s in seqs}, float(seconds) / max(len(seqs), 1)
+        for p in self._pending:                          # each drafter's group owes its own rows' part
+            if n := sum(id(s) in ids for s, _ in p.rows):
+                p.prefill += per_row * n
+                self._prefills.setdefault(p.key[0], deque(maxlen=64)).append(per_row)
 
     def _settle(self) -> None:
         """Turn the measured pending plans into samples: tokens committed per row, real / modelled seconds."""
