@@ -12,6 +12,7 @@ from cluster.models import slot_cache
 from cluster.models.head import AcceptanceHead
 from cluster.models.tiny import tiny_llama, truncated
 from tests.support.reference_worker import HFWorker
+from tests.support.tolerance import FORWARD_ATOL
 
 torch.set_num_threads(1)
 TOL = 1e-4
@@ -163,7 +164,10 @@ def test_forward_cost_grid_smoke():
 @pytest.mark.parametrize("kind", ["mha", "gqa", "eager"])
 def test_strided_view_gives_the_copys_logits_exactly(kind, monkeypatch):
     """Large rows reach attention as a strided view of the slot buffer, small ones as a copy
-    (slot_cache._VIEW_BYTES): both must give bit-identical logits, ragged rows and grown capacity included."""
+    (slot_cache._VIEW_BYTES): both give the same logits, ragged rows and grown capacity included.  Bit-identical
+    on the machine that measured it, but sdpa may take another kernel route for a strided input on another
+    x86-64 CPU, so the floats get the derived forward tolerance (tests/support/tolerance.py) and the greedy
+    tokens stay exact."""
     runs = {}
     for limit in (1 << 62, 0):                           # every forward copied / every forward a view
         monkeypatch.setattr(slot_cache, "_VIEW_BYTES", limit)
@@ -181,7 +185,9 @@ def test_strided_view_gives_the_copys_logits_exactly(kind, monkeypatch):
         monkeypatch.undo()
     (copied, c_seen), (viewed, v_seen) = runs[1 << 62], runs[0]
     assert all(c_seen) and not all(v_seen)               # both paths taken
-    assert all(torch.equal(a, b) for a, b in zip(copied, viewed))
+    assert len(copied) == len(viewed)
+    assert all(torch.allclose(a, b, rtol=0.0, atol=FORWARD_ATOL) for a, b in zip(copied, viewed))
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(copied, viewed))
 
 
 def _record(seen: list, kv):
