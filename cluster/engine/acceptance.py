@@ -7,6 +7,11 @@ reject, so a request's estimate is Beta-style, alpha_i = (g * w + accepts_i) / (
 shrunk toward the drafter's global g = (prior_alpha * w + A) / (w + A + R) over live and recently finished
 requests (w = prior_weight).  accepted_tokens / drafted_tokens would understate alpha: at alpha = 0.8 and
 k = 4 it reads 0.59.
+
+w is 16 trials (about four steps of k = 4), not fewer: a request that decodes plainly drafts no more, so its
+estimate cannot recover from its first steps, where drafts miss most (the first tokens after a prompt).  With
+w = 4, three such steps took requests of the embedded family to plain decoding for the rest of their life
+at one row (docs/cluster.md, "The planner's estimates, mended").
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class Acceptance:
     """The tracks of live requests and the folded counts of finished ones, per drafter (bounded memory:
     the finished counts are rescaled to ``memory`` trials, a recent average rather than the all-time one)."""
 
-    def __init__(self, prior_alpha: float = 0.8, prior_weight: float = 4.0, memory: int = 4096):
+    def __init__(self, prior_alpha: float = 0.8, prior_weight: float = 16.0, memory: int = 4096):
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
             raise ValueError("Planner: prior_alpha in [0, 1] and prior_weight > 0")
         self.prior_alpha, self.prior_weight, self.memory = float(prior_alpha), float(prior_weight), memory

@@ -95,7 +95,7 @@ class Planner:
     """
 
     def __init__(self, costs: dict[str, ForwardCost] | None, target: str, *, measure=None,
-                 prior_alpha: float = 0.8, prior_weight: float = 4.0, probe_every: int = 8, backoff: int = 16,
+                 prior_alpha: float = 0.8, prior_weight: float = 16.0, probe_every: int = 8, backoff: int = 16,
                  window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
                  history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5,
                  probe_budget: float = 0.1):

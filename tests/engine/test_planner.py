@@ -527,3 +527,26 @@ def test_load_aware_greedy_lossless_when_the_plan_speculates(planned_engine):
     # 2 and 3; once the k = 2 request ends first, which depends on timing, drafter-large's cap is 5)
     assert history[:2] == [(3, 2), (3, 3)] and max(k for b, k in history if b == 3) <= 3
     assert all(r.stats.drafted_tokens > 0 for r in out)
+
+
+def test_a_request_whose_first_drafts_miss_keeps_drafting():
+    """A request's own acceptance is shrunk toward the drafter's: three first steps that reject every draft (the
+    first tokens after a prompt are the hardest to draft) must not take it to plain decoding, where it drafts
+    no more and its estimate can never recover (with a prior weight of 4 trials it did: requests of the
+    embedded family at one row then decoded 34-60 steps plainly until the band's next probe; here it decoded
+    plainly for all 30 steps)."""
+    target = ForwardCost({(1, 1): 0.010, (1, 9): 0.013, (32, 1): 0.010, (32, 9): 0.013})
+    drafter = ForwardCost({(1, 1): 0.004, (32, 1): 0.004})           # the family's shape: a draft ~0.3 steps
+    planner = Planner({"t": target, "d": drafter}, "t", prior_alpha=0.8)
+    seconds = lambda k, prev: 0.010 + 0.0046 * k                     # noqa: E731 - as modelled
+    _accept_all(planner, _seq(k=4), 40, seconds)                      # the drafter: every draft accepted
+    planner.plan([])                                                  # that request ends
+    s = _seq(k=4)
+    for _ in range(3):                                                # a new one: its first drafts all miss
+        planner.plan([s])
+        if k := s.ctx.planned_k:
+            s.ctx.stats.verification(k, 0)
+        s.ctx.stats.generated_tokens += 1
+        planner.observe(seconds(k, k))
+    ks = _accept_all(planner, s, 30, seconds)                         # then it drafts as well as the others
+    assert sum(k > 0 for k in ks) >= 27, ks
