@@ -387,13 +387,13 @@ def test_near_tied_draft_lengths_do_not_flip_the_best():
 def test_the_acceptance_model_is_scaled_by_what_the_drafter_commits():
     """The model counts a draft of k tokens; a CS Drafting cascade planned at k = 1 drafts a block: 3.75 tokens
     beyond the target's own per step against the model's 0.81.  The drafter's scale is measured / modelled over
-    its drafting steps, shrunk toward 1 by one pseudo-token; with no steps it is 1."""
-    from cluster.engine.acceptance import Acceptance
+    its drafting steps, shrunk toward 1 by ``SCALE_PRIOR`` pseudo-tokens; with no steps it is 1."""
+    from cluster.engine.acceptance import SCALE_PRIOR, Acceptance
     acc = Acceptance()
     assert acc.scale("cascade") == 1.0
     for _ in range(10):
         acc.drafted("cascade", 3.75, 0.81)
-    assert acc.scale("cascade") == pytest.approx((37.5 + 1) / (8.1 + 1))
+    assert acc.scale("cascade") == pytest.approx((37.5 + SCALE_PRIOR) / (8.1 + SCALE_PRIOR))
     for _ in range(300):                                # a window of the last 256 steps
         acc.drafted("cascade", 0.81, 0.81)
     assert acc.scale("cascade") == pytest.approx(1.0)
@@ -550,3 +550,15 @@ def test_a_request_whose_first_drafts_miss_keeps_drafting():
         planner.observe(seconds(k, k))
     ks = _accept_all(planner, s, 30, seconds)                         # then it drafts as well as the others
     assert sum(k > 0 for k in ks) >= 27, ks
+
+
+def test_one_cold_first_step_does_not_take_the_scale_to_plain_decoding():
+    """A drafter's first drafting step in a process commits least (the first tokens after a prompt) and runs
+    cold.  Its scale was shrunk toward 1 by one pseudo-token: one step that drafted nothing of a modelled 2.36
+    read 0.30, the model's tokens at k = 4 fell from 3.36 to 1.54, and the fresh band decoded plainly for 55
+    plans before a probe found k = 4 again.  With ``SCALE_PRIOR`` = 4 that step reads 0.63."""
+    from cluster.engine.acceptance import Acceptance
+    acc = Acceptance()
+    acc.drafted("d", 0.0, 2.36)
+    assert acc.scale("d") == pytest.approx(4 / 6.36)
+    assert 1.0 + 2.36 * acc.scale("d") > 2.4      # k = 4 still expects more than 2.4 tokens a step
