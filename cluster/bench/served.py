@@ -11,9 +11,9 @@ Rows (``--strategies``, default all the config can serve): ``autoregressive``; `
 naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
 (drafter-large, or the config's default drafter, fixed k=4); ``load_aware`` (the same with
 ``plan=load_aware``); ``mag`` (Max-Gram drafter, fixed k=4), ``mag_load_aware`` (its ``plan=load_aware``),
-``cs_drafting`` (default options, fixed: ``plan=fixed``) and ``cs_load_aware`` (its ``plan=load_aware``).  At each concurrency ``c``
-(``--concurrency``, default 1,2,4,8,16,32, clamped to ``engine.max_batch + engine.max_queue``) every row runs
-one cell per mode in turn (interleaved, so a noisy machine affects them alike): ``c`` client threads send
+``cs_drafting`` (default options but ``plan=fixed``) and ``cs_load_aware`` (its ``plan=load_aware``).  At each
+concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32, clamped to ``engine.max_batch + engine.max_queue``)
+every row runs one cell per mode in turn (interleaved, so a noisy machine affects them alike): ``c`` client threads send
 requests back to back, unary (``Generate``) or streaming (``GenerateStream``), ``--modes`` (default both),
 over the held-out prompts: ``c * --requests-per-client`` requests per cell, or ``--requests-per-cell`` (at
 least c), default ``max(2c, 8)``; greedy, ``--max-new-tokens`` each with ``ignore_eos`` so every request

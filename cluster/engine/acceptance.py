@@ -9,9 +9,9 @@ requests (w = prior_weight).  accepted_tokens / drafted_tokens would understate 
 k = 4 it reads 0.59.
 
 w is 16 trials (about four steps of k = 4), not fewer: a request that decodes plainly drafts no more, so its
-estimate cannot recover from its first steps, where drafts miss most (the first tokens after a prompt).  With
-w = 4, three such steps took requests of the embedded family to plain decoding for the rest of their life
-at one row (docs/cluster.md, "The planner's estimates, mended").
+estimate cannot recover from its first steps, where drafts miss most (the first tokens after a prompt); with
+a weight of a single step, a few such steps took requests to plain decoding for the rest of their life
+(docs/cluster.md, "The planner's estimates, mended", item 7).
 """
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ class Acceptance:
         does not depend on the batch), shrunk toward 1 by ``SCALE_PRIOR`` pseudo-tokens.  The model counts a draft
         of k tokens; a CS Drafting cascade planned at k = 1 drafts a whole block, several times what the model
         counts, and its first steps must correct that: a band that decodes plainly on an uncalibrated model drafts
-        again only through its probes (one probe run of 3 steps takes a cascade's scale from 1 to ~2.4).  One
-        pseudo-token was too few the other way: a drafter's first step in a process, cold and at the hardest
-        tokens, drafted nothing of a modelled 2.36, read 0.30, and sent a fresh band to plain decoding for 55
-        plans; four read 0.63."""
+        again only through its probes (one probe run of a few steps must be enough).  One pseudo-token was too
+        few the other way: a drafter's first step in a process, cold and at the hardest tokens, could read a
+        scale low enough to send a fresh band to plain decoding for dozens of plans (docs/cluster.md, "The
+        planner's estimates, mended", item 8)."""
         pairs = self._drafted.get(drafter, ())
         return (sum(m for m, _ in pairs) + SCALE_PRIOR) / (sum(e for _, e in pairs) + SCALE_PRIOR) if pairs else 1.0
