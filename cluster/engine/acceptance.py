@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+PRIOR_ALPHA = 0.8      # a drafter's acceptance before any of its requests has drafted
+PRIOR_WEIGHT = 16.0    # w: pseudo-trials shrinking a request's alpha toward its drafter's (module docstring)
 SCALE_PRIOR = 4.0      # pseudo drafted tokens, measured = modelled, in Acceptance.scale (see there)
 
 
@@ -48,7 +50,7 @@ class Acceptance:
     """The tracks of live requests and the folded counts of finished ones, per drafter (bounded memory:
     the finished counts are rescaled to ``memory`` trials, a recent average rather than the all-time one)."""
 
-    def __init__(self, prior_alpha: float = 0.8, prior_weight: float = 16.0, memory: int = 4096):
+    def __init__(self, prior_alpha: float = PRIOR_ALPHA, prior_weight: float = PRIOR_WEIGHT, memory: int = 4096):
         if not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
             raise ValueError("Planner: prior_alpha in [0, 1] and prior_weight > 0")
         self.prior_alpha, self.prior_weight, self.memory = float(prior_alpha), float(prior_weight), memory

@@ -71,7 +71,7 @@ from collections import Counter, deque
 from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
-from cluster.engine.acceptance import Acceptance
+from cluster.engine.acceptance import PRIOR_ALPHA, PRIOR_WEIGHT, Acceptance
 from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours, prefill_share
 
 log = logging.getLogger("specserve.planner")
@@ -95,8 +95,8 @@ class Planner:
     """
 
     def __init__(self, costs: dict[str, ForwardCost] | None, target: str, *, measure=None,
-                 prior_alpha: float = 0.8, prior_weight: float = 16.0, probe_every: int = 8, backoff: int = 16,
-                 window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
+                 prior_alpha: float = PRIOR_ALPHA, prior_weight: float = PRIOR_WEIGHT, probe_every: int = 8,
+                 backoff: int = 16, window: int = 12, prior_samples: int = 2, margin: float = 0.10, memory: int = 4096,
                  history: int = 10000, retry_every: int = 64, probe_run: int = 3, probe_floor: float = 0.5,
                  probe_budget: float = 0.1):
         if costs is None and measure is None:
