@@ -7,10 +7,13 @@
    engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
    and the drafter's cost over the target's one-token forward at the same batch, ``c``: the inputs that
    :mod:`cluster.bench.projection`'s simulation takes as cited estimates today.
-3. **The production layout's shapes there** (CUDA only; :mod:`cluster.bench.gpu_shapes`): forward ms of a
+3. **Closed-loop load there** (:mod:`cluster.bench.load`, in-process, ``--concurrency``, default 1,4,16,32):
+   autoregressive, fixed k, the load-aware planner and CS Drafting at each batch, on the device -- where a
+   verification of k + 1 tokens costs little more than one token, the regime the planner should keep drafting in.
+4. **The production layout's shapes there** (CUDA only; :mod:`cluster.bench.gpu_shapes`): forward ms of a
    70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the projection
    (:mod:`cluster.bench.projection`) rerun on those measured costs in place of its cited ones.
-4. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
+5. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
    coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.
 
 Without a CUDA device it stops (exit 2) and says so, unless ``--device cpu`` asks for the same procedure on the
@@ -18,6 +21,7 @@ CPU: what the tests run, so that the command works the day a device is lent.  Re
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -25,7 +29,8 @@ from pathlib import Path
 import torch
 
 from cluster.bench import SUITES, gpu_shapes, projection
-from cluster.bench.load import parse_runtimes
+from cluster.bench.load import collect, parse_runtimes
+from cluster.bench.load_report import mismatches
 from cluster.bench.measure import drafting_rows
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
@@ -37,6 +42,7 @@ from cluster.local import build_engine
 
 GREEDY = SamplingParams(0.0)
 COST_ROWS, COST_TOKENS = (1, 4, 16, 32), (1, 5)
+LOAD_LEVELS = "1,4,16,32"  # the load step's concurrencies unless --concurrency names others
 GPU_SHARE = 0.25           # of one device, per actor that hosts a model: Ray shows a device to actors that ask
 
 
@@ -144,6 +150,11 @@ def run(args, cfg) -> int:
         write_results(equal, out, "gpu_exactness")
         write_results(costs, out, "gpu_forward_costs")
         rc |= int(any(r["equal_alone"] != r["prompts"] or r["equal_batched"] != r["prompts"] for r in equal))
+        del engine                         # the load step builds its own (with the planner), on the same device
+        levels = getattr(args, "concurrency", None) or LOAD_LEVELS
+        measured = collect(argparse.Namespace(**{**vars(args), "runtime": "in-process", "concurrency": levels}),
+                           cfg).levels
+        rc |= int(mismatches(measured)[1] > 0)
         if device.startswith("cuda"):
             production_shapes(device, name, out)
     if "cluster" in runtimes:

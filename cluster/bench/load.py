@@ -32,7 +32,6 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
-from cluster.serving.control.coordinator import Coordinator
 
 LEVELS = (1, 2, 4, 8, 16, 32)
 RUNTIMES = ("in-process", "cluster")
@@ -198,9 +197,9 @@ class ClusterDriver:
 
 
 def collect(args, cfg) -> Results:
-    """Measure, print the table and the goals, write ``bench_load.{csv,json,png}`` to ``args.out``."""
-    import ray
-
+    """Measure, print the table and the goals, write ``bench_load.{csv,json,png}`` to ``args.out``.  Ray and the
+    coordinator are imported only for the cluster runtime: ``--runtime in-process`` needs torch and transformers
+    alone (the gpu suite runs it on a lent device, which has no Ray)."""
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     temperature = check_float("temperature", args.temperature, 0.0, 100.0)
@@ -220,6 +219,9 @@ def collect(args, cfg) -> Results:
         drivers["in-process"] = lambda reqs, c: drive_in_process(engine, reqs, c)
     try:
         if "cluster" in runtimes:
+            import ray
+            from cluster.serving.control.coordinator import Coordinator
+
             started = not ray.is_initialized()
             if started:
                 ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
@@ -248,15 +250,18 @@ def collect(args, cfg) -> Results:
         if cdriver is not None:
             cdriver.close()
         if started:
-            ray.shutdown()
+            ray.shutdown()      # noqa: F821 - bound above wherever started is True
     table = make_table(measured, list(drivers), list(rows), levels)
     title = (f"load: closed loop, 2*c requests per level, {len(prompts)} held-out prompts cycled x {max_new} "
              f"tokens, temperature {temperature:g}, config {cfg.source}; ttft/tpot in ms")
     print_table(table, title)
     out = Path(args.out)
     write_results(table, out, "bench_load")
-    plot(measured, list(drivers), list(rows), levels, out / "bench_load.png")
-    print(f"results written to {out / 'bench_load'}.{{csv,json,png}}")
+    try:
+        plot(measured, list(drivers), list(rows), levels, out / "bench_load.png")
+        print(f"results written to {out / 'bench_load'}.{{csv,json,png}}")
+    except ImportError as e:                       # a lent device machine may have no matplotlib
+        print(f"results written to {out / 'bench_load'}.{{csv,json}}; no plot ({e})")
     if temperature == 0:
         print(lossless_line(measured))
     for line in goal_lines(measured, list(drivers), list(rows), levels):

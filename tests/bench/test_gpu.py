@@ -18,7 +18,7 @@ NEW = 8
 
 def _args(tmp_path, **kw):
     base = dict(prompts="3", max_new_tokens=str(NEW), temperature="0", out=str(tmp_path), runtime="in-process",
-                device=None)
+                device=None, concurrency="1,2")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -56,6 +56,9 @@ def test_the_procedure_on_the_cpu(tmp_path):
     assert all(r["c_vs_target"] == 1.0 for (_, t), r in target.items() if t == 1)
     drafters = {r["model"] for r in costs} - {cfg.target}
     assert drafters == set(cfg.drafters) and all(r["ms"] > 0 for r in costs)
+    load = json.loads((tmp_path / "bench_load.json").read_text())      # the load step, in-process on the device
+    assert {r["concurrency"] for r in load} == {1, 2}
+    assert {r["strategy"] for r in load} >= {"autoregressive", "load-aware k<=8"}, load
 
 
 TINY_SHAPES = {name: dict(shape, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
