@@ -2,13 +2,12 @@
 
 A speculative step is worth its extra target tokens only while the target forward is cheap in tokens: a
 batch of rows costs far less than its rows one by one, and at high batch a verification of k + 1 tokens
-costs a multiple of a decoding step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures
-it; docs/cluster.md has measured numbers).  The open-loop cost
-model alone misprices a step (the drafter's catch-up after plain steps, the engine's own work per round,
-round trips, noise), so the planner measures what its choices really yield and moves toward what measures
-best, in the spirit of vLLM's batch-size-dependent draft length and SGLang's adaptive speculation, of
-nano-PEARL's per-batch-size draft length (gamma) profile, and of the adaptive draft length of Liu et al.,
-*Parallel Speculative Decoding with Adaptive Draft Length* (PEARL).
+costs a multiple of a decoding step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures it;
+docs/cluster.md has measured numbers).  The open-loop cost model alone misprices a step (the drafter's catch-up
+after plain steps, the engine's own work per round, round trips, noise), so the planner measures what its
+choices really yield and moves toward what measures best, in the spirit of vLLM's batch-size-dependent draft
+length and SGLang's adaptive speculation, of nano-PEARL's per-batch-size draft length (gamma) profile, and of
+the adaptive draft length of Liu et al., *Parallel Speculative Decoding with Adaptive Draft Length* (PEARL).
 
 Per step, :meth:`Planner.plan` groups the running requests whose strategy is load-aware
 (``strategy.load_aware``, option ``plan=load_aware``) by drafter and chooses one k in 0..min(strategy.k)
@@ -46,17 +45,16 @@ decoding flipped the band back and forth on timing noise, and each flip paid a c
 **Probing.**  Every ``interval``-th plan of a band (``probe_every`` at first) starts a run of ``probe_run``
 plans of a neighbour of the current best instead (best + 1, best - 1, 0, k_max in turn), judged on its last
 plan; a probe of an arm whose estimate (with measured time ratios) is below ``probe_floor`` of the best's
-is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that
-won -- beat the best's estimate by ``margin``: in a band where arms tie within timing noise, probes that won
-by less reset the interval again and again, each paying a catch-up -- (one further the same way: hill
-climbing) or one of an arm with fewer than ``prior_samples`` samples
-(the same arm again; at most ``prior_samples`` per arm and band); when every neighbour has been tried and
-lost, the interval doubles, up to ``probe_every * backoff``, and a new best resets it.  A band that decodes
-plainly starts a scheduled probe only while its probe runs (and their switches back) have taken at most
-``probe_budget`` of its observed wall time: a probe's first step pays what no time sample shows -- the
-drafters' catch-up on every token they missed, or their first prefill.  Where speculation does not pay (high
-batch) the band settles on k = 0 and probes k = 1 ever more rarely.  Everything is
-counters, means and medians: the same observations give the same plans (no clock, no randomness).
+is skipped and counts as lost.  The only quicker probes, 2 plans later, follow a probe that won -- beat the
+best's estimate by ``margin``: in a band where arms tie within timing noise, probes that won by less reset the
+interval again and again, each paying a catch-up -- (one further the same way: hill climbing) or one of an arm
+with fewer than ``prior_samples`` samples (the same arm again; at most ``prior_samples`` per arm and band); when
+every neighbour has been tried and lost, the interval doubles, up to ``probe_every * backoff``, and a new best
+resets it.  A band that decodes plainly starts a scheduled probe only while its probe runs (and their switches
+back), with the one it would start, take at most its budget of its observed wall time -- ``probe_budget``,
+shrunk as its probe interval backs off (:func:`cluster.engine.arms.affordable`): a probe's first step pays what
+no time sample shows, the drafters' catch-up on every token they missed.  Where speculation does not pay (high batch) the band settles on k = 0 and probes ever more rarely.
+Everything is counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
 **Acceptance** (E_k): per request, shrunk toward its drafter's (:mod:`cluster.engine.acceptance`).  The measuring
 lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots); given a ``measure``
@@ -72,7 +70,8 @@ from cluster.core.cost_model import expected_tokens
 from cluster.core.forward_cost import ForwardCost, step_seconds
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.acceptance import PRIOR_ALPHA, PRIOR_WEIGHT, Acceptance
-from cluster.engine.arms import BANDS, Band, Pending, band_of, choose, estimate, nearby, neighbours, prefill_share
+from cluster.engine.arms import (BANDS, Band, Pending, affordable, band_of, choose, estimate, nearby, neighbours,
+                                 prefill_share)
 
 log = logging.getLogger("specserve.planner")
 
@@ -151,6 +150,7 @@ class Planner:
                 band.seconds += p.seconds
                 if p.probing:
                     band.probe_seconds += p.seconds
+                    band.probe_rows.append(p.seconds / max(len(p.rows), 1))
             if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
                 continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
@@ -269,7 +269,8 @@ class Planner:
             k, band.run_left, p.probing = band.run_k, band.run_left - 1, True
             probe_at = band.plans if band.run_left == 0 else None
         elif k_max > 0 and self.probe_every and band.plans >= band.next_probe and (
-                band.again is not None or best > 0 or band.probe_seconds <= self.probe_budget * band.seconds):
+                band.again is not None or best > 0 or
+                affordable(self._bands, key, len(seqs), self.probe_run, self.probe_budget, self.probe_every)):
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
                 cand = band.again
             else:

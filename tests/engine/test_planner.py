@@ -9,6 +9,7 @@ from cluster.core.draft.programs import DRAFTS
 from cluster.core.forward_cost import ForwardCost, plan_draft_length
 from cluster.core.sampling import SamplingParams
 from cluster.core.stats import RequestStats
+from cluster.engine.arms import probe_cost
 from cluster.engine.planner import Planner
 from cluster.engine.request import GenerationRequest
 from cluster.family import ensure_built
@@ -248,9 +249,63 @@ def test_a_plain_band_spends_at_most_its_probe_budget_on_probes():
     total = sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks))
     run = 0.2 + 3 * 0.0195 + 0.010                                        # one probe run and the switch back
     assert ks[0] == 0 and explored <= planner.probe_budget * total + run
-    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=1.0)
+    unbudgeted = Planner({"t": FLAT, "d": drafter}, "t", probe_every=8, probe_budget=float("inf"))
     ks, explored = _switching(unbudgeted, 600, steady, 0.2)
     assert explored > 0.3 * (sum(steady(k) for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks)))
+
+
+def test_a_plain_band_whose_probes_keep_losing_explores_ever_less(monkeypatch):
+    """The same tie as above over 6,000 steps: each lost probe doubles the band's interval and halves its share of
+    the budget, so exploring falls to 2.3 % of its time; with the whole budget for good it stayed at 9 %."""
+    def explored_share():
+        planner = Planner({"t": FLAT, "d": ForwardCost({(1, 1): 0.05, (32, 1): 0.05})}, "t", probe_every=8,
+                          probe_budget=0.1)
+        ks, explored = _switching(planner, 6000, lambda k: 0.0195 if k else 0.010, 0.2)
+        return explored / (sum(0.0195 if k else 0.010 for k in ks) + 0.2 * sum(a != b for a, b in zip([0] + ks, ks)))
+
+    assert explored_share() < 0.03
+    whole = lambda bands, key, rows, run, budget, every: (                # noqa: E731 - the share never shrinks
+        bands[key].probe_seconds + probe_cost(bands, key[0], key[1], rows, run) <= budget * bands[key].seconds)
+    monkeypatch.setattr("cluster.engine.planner.affordable", whole)
+    assert explored_share() > 0.08
+
+
+def _rows_switching(planner, rows, steps):
+    """``rows`` rows, every draft accepted; a step costs 10 ms plain, 19.5 ms with k > 0 (a tie inside the margin),
+    plus a catch-up of 20 ms per row where k changed.  -> (planned ks, exploring seconds, all seconds)."""
+    seqs = [_seq(drafter="d", k=1) for _ in range(rows)]
+    ks, explored, total, prev = [], 0.0, 0.0, 0
+    for _ in range(steps):
+        planner.plan(seqs)
+        k = seqs[0].ctx.planned_k
+        for s in seqs:
+            if k:
+                s.ctx.stats.verification(k, k)
+            s.ctx.stats.generated_tokens += k + 1
+        t = (0.0195 if k else 0.010) + (0.020 * rows if k != prev else 0.0)
+        planner.observe(t)
+        total, explored, prev = total + t, explored + (t if k or k != prev else 0.0), k
+        ks.append(k)
+    return ks, explored, total
+
+
+def test_a_plain_band_charges_a_probe_before_it_starts_one(monkeypatch):
+    """A probe's first step catches every row's drafters up: at 16 rows here 320 ms, 32 plain steps.  Having
+    measured at 8 rows what an exploring step costs per row, the band of 16 rows starts no probe that would take
+    its exploring past ``probe_budget`` (10 %) of its time, rather than starting one because nothing was spent
+    yet; charged only after it ran (the rule before), that first probe took 15 % of the band's time."""
+    def plain_band_at_16(cost):
+        monkeypatch.setattr("cluster.engine.arms.probe_cost", cost)
+        planner = Planner({"t": FLAT, "d": ForwardCost({(1, 1): 0.05, (32, 1): 0.05})}, "t", probe_every=8,
+                          probe_budget=0.1)                               # the prior says k = 0
+        ks8, _, _ = _rows_switching(planner, 8, 400)
+        assert ks8[0] == 0 and any(ks8)                                   # probed at 8 rows
+        return _rows_switching(planner, 16, 400)
+
+    ks, explored, total = plain_band_at_16(probe_cost)
+    assert ks[0] == 0 and explored <= 0.1 * total, (explored, total)
+    ks, explored, total = plain_band_at_16(lambda *a: 0.0)                # the probe's cost not charged first
+    assert any(ks) and explored > 0.1 * total, (explored, total)
 
 
 def test_a_new_band_starts_from_the_nearest_measured_band():
