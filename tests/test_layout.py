@@ -48,8 +48,12 @@ HEAVY = {"ray", "grpc", "grpc_health", "matplotlib", "transformers", "tokenizers
          "xgrammar", "outlines_core"}     # the grammar bench's optional comparisons (not dependencies)
 
 
-# cluster/__init__ hands out the gRPC client on first use, so `import cluster` needs no grpc.
-LAZY_FACE = {("cluster", "cluster.serving.client.sdk"), ("cluster", "cluster.serving.client.sdk.SpecServeClient")}
+# cluster/__init__ hands out the gRPC client on first use, so `import cluster` needs no grpc; the load suite takes
+# the coordinator (and Ray with it) only for its cluster runtime, so the gpu suite runs its in-process half on a
+# lent device that has no Ray.
+LAZY_FACE = {("cluster", "cluster.serving.client.sdk"), ("cluster", "cluster.serving.client.sdk.SpecServeClient"),
+             ("cluster.bench.load", "cluster.serving.control.coordinator"),
+             ("cluster.bench.load", "cluster.serving.control.coordinator.Coordinator")}
 
 
 def module_name(path: Path) -> str:
