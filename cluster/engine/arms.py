@@ -36,7 +36,7 @@ reached by probes (:func:`neighbours`).
 from __future__ import annotations
 
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 BANDS = ("1", "2-3", "4-7", "8-15", "16-31", "32+")
@@ -67,7 +67,6 @@ class Band:
     probes: int = 0
     seconds: float = 0.0         # wall seconds of the band's observed steps
     probe_seconds: float = 0.0   # ... of those that ran a probe or switched back from one (exploring)
-    probe_rows: deque = field(default_factory=lambda: deque(maxlen=16))   # seconds per row of those steps
 
 
 @dataclass
@@ -137,30 +136,13 @@ def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
     return out
 
 
-def probe_cost(bands: dict, drafter: str, index: int, rows: int, run: int) -> float:
-    """Expected seconds of a probe run of ``run`` plans and its switch back over ``rows`` rows: that many steps at
-    the mean seconds per row of the exploring steps measured in this band, else in the nearest band of
-    ``drafter`` that measured some (at equal distance the smaller batch, whose per-row cost is the higher:
-    better to wait too long than to pay too much); 0 where none has (the drafter's first probe goes ahead).
-    Its first step catches every row's drafters up on the tokens they missed -- at 32 rows a cascade's first
-    prefill of two drafters cost 40 plain steps in one probe (docs/cluster.md, "The planner's estimates,
-    mended") -- so a plain band charges what a probe will cost before it starts one, not after."""
-    measured = [(abs(i - index), i, band) for (d, i), band in bands.items() if d == drafter and band.probe_rows]
-    if not measured:
-        return 0.0
-    band = min(measured, key=lambda m: m[:2])[2]
-    return (run + 1) * rows * statistics.fmean(band.probe_rows)
-
-
-def affordable(bands: dict, key: tuple[str, int], rows: int, run: int, budget: float, every: int) -> bool:
-    """Whether the plain band ``key`` may start a scheduled probe over ``rows`` rows: its exploring so far plus
-    the probe run it would start (:func:`probe_cost`) within its share of its observed wall time.  The share is
-    ``budget`` while the band probes every ``every`` plans, and shrinks in step as its interval backs off (every
-    neighbour tried and lost): at 32 rows a band that never speculates would otherwise pay the whole budget for
-    good (docs/cluster.md, "The planner's estimates, mended")."""
+def affordable(bands: dict, key: tuple[str, int], budget: float, every: int) -> bool:
+    """Whether the plain band ``key`` may start a scheduled probe: its exploring so far within its share of its
+    observed wall time.  The share is ``budget`` while the band probes every ``every`` plans, and shrinks in step
+    as its interval backs off (every neighbour tried and lost): at 32 rows a band that never speculates would
+    otherwise pay the whole budget for good (docs/cluster.md, "The planner's estimates, mended", item 9)."""
     band = bands[key]
-    share = budget * every / max(band.interval, every, 1)
-    return band.probe_seconds + probe_cost(bands, key[0], key[1], rows, run) <= share * band.seconds
+    return band.probe_seconds <= budget * every / max(band.interval, every, 1) * band.seconds
 
 
 def choose(band: Band, p: Pending, prior_samples: int, margin: float) -> int:

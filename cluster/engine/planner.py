@@ -51,9 +51,9 @@ interval again and again, each paying a catch-up -- (one further the same way: h
 with fewer than ``prior_samples`` samples (the same arm again; at most ``prior_samples`` per arm and band); when
 every neighbour has been tried and lost, the interval doubles, up to ``probe_every * backoff``, and a new best
 resets it.  A band that decodes plainly starts a scheduled probe only while its probe runs (and their switches
-back), with the one it would start, take at most its budget of its observed wall time -- ``probe_budget``,
-shrunk as its probe interval backs off (:func:`cluster.engine.arms.affordable`): a probe's first step pays what
-no time sample shows, the drafters' catch-up on every token they missed.  Where speculation does not pay (high batch) the band settles on k = 0 and probes ever more rarely.
+back) have taken at most its share of its observed wall time -- ``probe_budget``, shrunk as its probe interval
+backs off (:func:`cluster.engine.arms.affordable`): a probe's first step pays what no time sample shows, the
+drafters' catch-up on every token they missed.  Where speculation does not pay (high batch) the band settles on k = 0 and probes ever more rarely.
 Everything is counters, means and medians: the same observations give the same plans (no clock, no randomness).
 
 **Acceptance** (E_k): per request, shrunk toward its drafter's (:mod:`cluster.engine.acceptance`).  The measuring
@@ -150,7 +150,6 @@ class Planner:
                 band.seconds += p.seconds
                 if p.probing:
                     band.probe_seconds += p.seconds
-                    band.probe_rows.append(p.seconds / max(len(p.rows), 1))
             if p.seconds is None or p.seconds <= 0 or p.modelled[p.k] <= 0 or not p.rows:
                 continue                                 # never observed (the step failed), or no row ran k
             tokens = sum(s.ctx.stats.generated_tokens - before for s, before in p.rows)
@@ -270,7 +269,7 @@ class Planner:
             probe_at = band.plans if band.run_left == 0 else None
         elif k_max > 0 and self.probe_every and band.plans >= band.next_probe and (
                 band.again is not None or best > 0 or
-                affordable(self._bands, key, len(seqs), self.probe_run, self.probe_budget, self.probe_every)):
+                affordable(self._bands, key, self.probe_budget, self.probe_every)):
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
                 cand = band.again
             else:
