@@ -250,7 +250,7 @@ def collect(args, cfg) -> Results:
         if cdriver is not None:
             cdriver.close()
         if started:
-            ray.shutdown()      # noqa: F821 - bound above wherever started is True
+            ray.shutdown()
     table = make_table(measured, list(drivers), list(rows), levels)
     title = (f"load: closed loop, 2*c requests per level, {len(prompts)} held-out prompts cycled x {max_new} "
              f"tokens, temperature {temperature:g}, config {cfg.source}; ttft/tpot in ms")

@@ -53,8 +53,9 @@ every neighbour has been tried and lost, the interval doubles, up to ``probe_eve
 resets it.  A band that decodes plainly starts a scheduled probe only while its probe runs (and their switches
 back) have taken at most its share of its observed wall time -- ``probe_budget``, shrunk as its probe interval
 backs off (:func:`cluster.engine.arms.affordable`): a probe's first step pays what no time sample shows, the
-drafters' catch-up on every token they missed.  Where speculation does not pay (high batch) the band settles on k = 0 and probes ever more rarely.
-Everything is counters, means and medians: the same observations give the same plans (no clock, no randomness).
+drafters' catch-up on every token they missed.  Where speculation does not pay (high batch) the band settles on
+k = 0 and probes ever more rarely.  Everything is counters, means and medians: the same observations give the
+same plans (no clock, no randomness).
 
 **Acceptance** (E_k): per request, shrunk toward its drafter's (:mod:`cluster.engine.acceptance`).  The measuring
 lives with the caller (:func:`cluster.engine.measure.build_planner`, called by both roots); given a ``measure``
