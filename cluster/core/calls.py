@@ -189,18 +189,14 @@ def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str],
     for key, gen in gens.items():
         advance(key, gen, None, pending, done)
     while pending:
-        if stop is not None and stop():
-            for key in pending:
-                gens[key].close()
-                done[key] = Stopped()
+        halt = stop is not None and stop()
+        closing = list(pending) if halt else [k for k in withdraw(list(pending)) if k in pending] if withdraw else []
+        for key in closing:                              # stopped or withdrawn: closed between rounds, one way
+            gens[key].close()
+            del pending[key]
+            done[key] = Stopped()
+        if halt or not pending:
             break
-        if withdraw is not None:
-            for key in [k for k in withdraw(list(pending)) if k in pending]:
-                gens[key].close()
-                del pending[key]
-                done[key] = Stopped()
-            if not pending:
-                break
         for (model, kind), keys in group_calls(pending, target).items():
             try:
                 results = run_group(handles[model], kind, [(rid_of(k), pending[k]) for k in keys])
