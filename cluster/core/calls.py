@@ -190,7 +190,12 @@ def drive(gens: dict[Hashable, Any], handles, rid_of: Callable[[Hashable], str],
         advance(key, gen, None, pending, done)
     while pending:
         halt = stop is not None and stop()
-        closing = list(pending) if halt else [k for k in withdraw(list(pending)) if k in pending] if withdraw else []
+        if halt:
+            closing = list(pending)
+        elif withdraw is not None:
+            closing = [k for k in withdraw(list(pending)) if k in pending]
+        else:
+            closing = []
         for key in closing:                              # stopped or withdrawn: closed between rounds, one way
             gens[key].close()
             del pending[key]
