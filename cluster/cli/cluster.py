@@ -12,7 +12,7 @@ from cluster.errors import ConfigError, ParamError, check_float, check_int
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.ops.bind_hook import HOOK, hook_env
 from cluster.serving.client.sdk import SpecServeClient, main_client
-from cluster.serving.ops.attached import (clear_attached, find_attached, ignore_stop_signals, interrupt_on_sigterm,
+from cluster.serving.ops.attached import (STOP, clear_attached, find_attached, ignore_stop_signals, interrupt_on_stop,
                                           save_attached, shut_down, stop_attached, wait_until_stopped)
 from cluster.serving.ops.ray_node import (gcs_up, head_state_file, load_head, save_head, start_node, token_file,
                                           use_token)
@@ -112,7 +112,7 @@ def cmd_up(args) -> int:
     cl = cfg.cluster
     host, cert, key = _grpc_listen(args, cl)
     check_startup(needs_binding=True)          # the gRPC host / TLS binding patches Ray internals
-    interrupt_on_sigterm()                     # `specserve down` and Ctrl-C stop `up` the same way
+    interrupt_on_stop()                        # `specserve down` and Ctrl-C stop `up` the same way
     address, node = args.address, None
     if not address:
         node = start_node(port=check_int("ray_port", args.ray_port, 1024, 65535),
@@ -126,7 +126,7 @@ def cmd_up(args) -> int:
     try:
         ray.init(address=address, namespace="specserve", include_dashboard=False,
                  runtime_env={"worker_process_setup_hook": HOOK, "env_vars": hook_env(host, cert, key)})
-        interrupt_on_sigterm()                 # ray.init replaced it with its own (sys.exit)
+        interrupt_on_stop()                    # ray.init replaced SIGTERM's with its own (sys.exit)
         if not args.detach:                    # from here on `specserve down` asks this process to stop
             me = save_attached(ray.get_runtime_context().gcs_address, cl.app_name, node)
         _deploy(cfg, address, host, cert, timeout)
@@ -140,14 +140,13 @@ def cmd_up(args) -> int:
             return 0
         print("specserve: Ctrl-C (or `specserve down`) to stop", file=sys.stderr)
         why, serve_running = wait_until_stopped(cl.app_name, own_head=node is not None)
-    except KeyboardInterrupt:                  # Ctrl-C or `specserve down` before SERVING
+    except BaseException:                      # Ctrl-C or `specserve down` before SERVING, or a failure
         ignore_stop_signals()
+        if not STOP.is_set():                  # not a stop: Serve may be unreachable; stop the driver and head
+            shut_down(node, serve_running=False)
+            clear_attached(me)
+            raise
         why, serve_running = "interrupted", ray.is_initialized()
-    except BaseException:                      # not a stop: Serve may be unreachable; stop the driver and head
-        ignore_stop_signals()
-        shut_down(node, serve_running=False)
-        clear_attached(me)
-        raise
     print(f"specserve: stopping ({STOP_REASONS[why]}) ...", file=sys.stderr)
     shut_down(node, serve_running=serve_running)
     clear_attached(me)

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from cluster.errors import ParamError
-from cluster.serving.ops.attached import AttachedUp, attached_file, find_attached, save_attached
+from cluster.serving.ops.attached import (STOP, AttachedUp, attached_file, find_attached, interrupt_on_stop, save_attached,
+                                          wait_until_stopped)
 from cluster.serving.ops.ray_node import stop_pid
 from tests.support.multinode import session_processes
 from tests.support.polling import poll
@@ -156,6 +157,37 @@ def test_down_stop_ray_stops_a_detached_up(tmp_path):
         assert down.returncode == 0, err[-3000:]
         assert f"(pid {up.head_pid}) stopped" in err
         up.assert_stopped_cleanly(err)
+
+
+def test_a_stop_that_a_call_swallows_still_ends_the_wait(monkeypatch):
+    """Ctrl-C lands inside a Serve status call that swallows the KeyboardInterrupt (as Ray code can): the flag
+    the handler set still ends ``up``'s wait at once, reported as an interrupt, and Serve is still to shut down."""
+    from ray import serve
+    calls = []
+
+    def status():
+        calls.append(1)
+        assert len(calls) < 4, "up kept waiting after Ctrl-C"
+        if len(calls) == 1:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):             # the handler runs in this thread at the next bytecodes
+                    pass
+            except KeyboardInterrupt:
+                pass
+        return type("Status", (), {"applications": {"specserve": None}})()
+
+    monkeypatch.setattr(serve, "status", status)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupt_on_stop()
+        assert wait_until_stopped("specserve", own_head=True) == ("interrupted", True)
+        assert calls == [1] and STOP.is_set()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN        # stopping: further Ctrl-C is ignored
+    finally:
+        STOP.clear()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def test_down_with_no_cluster_is_one_line(tmp_path):

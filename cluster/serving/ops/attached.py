@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from cluster.serving.ops.ray_node import RayNode, is_loopback, token_file
 
 POLL_S = 1.0                 # how often an attached `up` checks that its application is still served
 EXTERNAL_SHUTDOWN_S = 30.0   # fallback: how long `up` lets another driver's serve.shutdown finish
+STOP = threading.Event()     # set by Ctrl-C or SIGTERM (:func:`interrupt_on_stop`), whatever became of the exception
 
 
 @dataclass(frozen=True)
@@ -116,22 +118,33 @@ def stop_attached(up: AttachedUp, timeout: float) -> bool:
     return True
 
 
-def interrupt_on_sigterm() -> None:
-    """SIGTERM (``specserve down``, a service manager) raises KeyboardInterrupt like Ctrl-C, so one handler
-    stops ``up``.  ``ray.init`` installs its own (``sys.exit``): call this again after it."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+def _stop(signum, frame) -> None:
+    STOP.set()
+    raise KeyboardInterrupt
+
+
+def interrupt_on_stop() -> None:
+    """Ctrl-C and SIGTERM (``specserve down``, a service manager) both set :data:`STOP` and raise
+    KeyboardInterrupt, so one handler stops ``up``.  The flag is what ``up`` trusts: the exception is raised
+    wherever the main thread is, and Ray code there can turn it into something else (once in the slow suite, an
+    ``up`` sent SIGINT just after it printed "Ctrl-C ... to stop" never began stopping).
+    ``ray.init`` installs its own SIGTERM handler (``sys.exit``): call this again after it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
 
 
 def wait_until_stopped(app: str, *, own_head: bool) -> tuple[str, bool]:
-    """Block while ``app`` is served.  Returns why it ended -- ``"interrupted"`` (Ctrl-C or SIGTERM: this
-    process owns every step), ``"deleted"`` (another driver deleted the app) or ``"serve-gone"`` (another
-    driver shut Serve down: its controller died) -- and whether :func:`shut_down` must still shut Serve down.
-    From its return on, Ctrl-C and SIGTERM are ignored (:func:`ignore_stop_signals`)."""
+    """Block while ``app`` is served.  Returns why it ended -- ``"interrupted"`` (Ctrl-C or SIGTERM, now or
+    earlier: :data:`STOP`; this process owns every step), ``"deleted"`` (another driver deleted the app) or
+    ``"serve-gone"`` (another driver shut Serve down: its controller died) -- and whether :func:`shut_down` must
+    still shut Serve down.  From its return on, Ctrl-C and SIGTERM are ignored (:func:`ignore_stop_signals`)."""
     from ray import serve
     from ray.exceptions import RayActorError
     try:
-        while app in serve.status().applications:
-            time.sleep(POLL_S)           # poll interval; the application's presence is what is waited on
+        while not STOP.is_set() and app in serve.status().applications:
+            STOP.wait(POLL_S)            # poll interval; a stop signal ends the wait at once
+        if STOP.is_set():
+            return "interrupted", True
         # with no head of ours to stop, nothing races the other driver: its Serve is left as it is
         return "deleted", own_head and not wait_serve_gone()
     except RayActorError:
