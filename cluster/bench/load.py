@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -81,6 +81,7 @@ class Level:
     seconds: float
     steps: int
     rows: int
+    phases: dict = field(default_factory=dict)   # in-process: join/full/drain -> [steps, seconds, tokens]
 
     @property
     def tokens(self) -> int:
@@ -129,16 +130,24 @@ def _requests(prompts, n, max_new, temperature, strategy, opts) -> list[Generati
                               options=dict(opts), ignore_eos=True) for j in range(n)]
 
 
-def drive_in_process(engine, reqs: list[GenerationRequest], c: int) -> tuple[list[_Rec], float, int, int]:
+def drive_in_process(engine, reqs: list[GenerationRequest], c: int,
+                     phases: dict | None = None) -> tuple[list[_Rec], float, int, int]:
     """Closed loop in this thread: ``c`` requests in flight; a finished one is replaced by the next.
     Returns (records in request order, seconds from the first submit to the last chunk, engine steps,
-    engine rows advanced)."""
+    engine rows advanced).  ``phases`` (a dict) receives, per kind of step, [steps, seconds, tokens emitted]:
+    ``join`` a step that admits requests, ``full`` one of ``c`` rows, ``drain`` one of fewer (the run's end)."""
     recs: list[_Rec | None] = [None] * len(reqs)
     done: list = []
+    emitted, joined = [0], [0]
 
     def submit(i: int) -> None:
         rec = recs[i] = _Rec(time.perf_counter())
-        engine.add(reqs[i], rec.on_chunk, done.append)
+        joined[0] += 1
+
+        def on_chunk(chunk) -> None:
+            emitted[0] += len(chunk.token_ids)
+            rec.on_chunk(chunk)
+        engine.add(reqs[i], on_chunk, done.append)
 
     s0, r0 = engine.steps, engine.step_rows
     t0 = time.perf_counter()
@@ -146,7 +155,13 @@ def drive_in_process(engine, reqs: list[GenerationRequest], c: int) -> tuple[lis
     for i in range(nxt):
         submit(i)
     while engine.has_work:
+        rows, tokens, t = engine.step_rows, emitted[0], time.perf_counter()
         engine.step()
+        if phases is not None:
+            kind = "join" if joined[0] else "full" if engine.step_rows - rows >= c else "drain"
+            acc = phases.setdefault(kind, [0, 0.0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + time.perf_counter() - t, acc[2] + emitted[0] - tokens
+        joined[0] = 0
         while done:
             seq = done.pop(0)
             if seq.error is not None:
@@ -216,7 +231,7 @@ def collect(args, cfg) -> Results:
     drivers = {}
     coord, cdriver, started = None, None, False
     if "in-process" in runtimes:
-        drivers["in-process"] = lambda reqs, c: drive_in_process(engine, reqs, c)
+        drivers["in-process"] = lambda reqs, c, phases=None: drive_in_process(engine, reqs, c, phases)
     try:
         if "cluster" in runtimes:
             import ray
@@ -239,9 +254,9 @@ def collect(args, cfg) -> Results:
             for name, (strategy, opts) in rows.items():
                 for rt, drive in drivers.items():
                     bar.set_postfix_str(f"c={c} {name} {rt}")
-                    recs, secs, steps, nrows = drive(_requests(prompts, 2 * c, max_new, temperature, strategy,
-                                                               opts), c)
-                    measured[(rt, name, c)] = Level(rt, name, c, recs, secs, steps, nrows)
+                    reqs, phases = _requests(prompts, 2 * c, max_new, temperature, strategy, opts), {}
+                    recs, secs, steps, nrows = drive(reqs, c, phases) if rt == "in-process" else drive(reqs, c)
+                    measured[(rt, name, c)] = Level(rt, name, c, recs, secs, steps, nrows, phases)
                     bar.update()
         bar.close()
     finally:

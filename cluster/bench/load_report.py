@@ -24,8 +24,24 @@ def make_table(measured, runtimes, rows, levels) -> list[dict]:
                     "tpot_p50": round(1e3 * pct([r.tpot for r in m.recs], 50), 2),
                     "tpot_p99": round(1e3 * m.tpot_p99(), 2),
                     "mean_batch": round(m.rows / m.steps, 2) if m.steps else 0.0,
-                    "vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None})
+                    "vs_in_process": round(m.tok_s / ip.tok_s, 3) if ip and ip.tok_s else None,
+                    **phase_columns(m.phases)})
     return table
+
+
+def phase_columns(phases: dict) -> dict:
+    """In-process: the share of the run's step time in steps that admit requests (``join``) and in steps of fewer
+    than c rows at its end (``drain``), and the tokens per ms of the steady steps of c rows (``full``): the part
+    that tells one draft length from another.  Autoregressive rows emit in lockstep (two batched joins, no drain);
+    speculative rows drift apart, so a short closed loop measures their transients as much as their steady state
+    (docs/cluster.md, "At 16 rows the estimates were not biased")."""
+    total = sum(v[1] for v in phases.values())
+    if not total:
+        return {"join_share": None, "drain_share": None, "full_tok_per_ms": None}
+    full = phases.get("full", [0, 0.0, 0])
+    return {"join_share": round(phases.get("join", [0, 0.0])[1] / total, 3),
+            "drain_share": round(phases.get("drain", [0, 0.0])[1] / total, 3),
+            "full_tok_per_ms": round(full[2] / (1e3 * full[1]), 3) if full[1] else None}
 
 
 def mismatches(measured) -> tuple[int, int]:

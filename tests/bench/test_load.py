@@ -1,5 +1,6 @@
 """The load suite on configs/tiny.yaml, in-process only: files written, every request's tokens counted,
-requests batched together at c=2, and greedy outputs equal to batch-of-one decoding (lossless)."""
+requests batched together at c=2, every step in one phase (join, full, drain), and greedy outputs equal to
+batch-of-one decoding (lossless)."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,12 @@ def test_load_suite_in_process(tmp_path):
         assert r["tok_s"] > 0 and r["tpot_p99"] >= r["tpot_p50"] >= 0 and r["ttft_p50"] > 0
     ar2 = next(r for r in rows if r["strategy"] == "autoregressive" and r["concurrency"] == 2)
     assert ar2["mean_batch"] > 1
+    for m in res.levels.values():           # every step and token falls in one phase: join, full or drain
+        assert sum(v[0] for v in m.phases.values()) == m.steps
+        assert sum(v[2] for v in m.phases.values()) == m.tokens
+        assert m.phases["join"][0] >= 2     # the first c requests, then their successors
+    # autoregressive rows of equal length run in lockstep: both pairs join together and end together, no drain
+    assert ar2["drain_share"] == 0 and 0 < ar2["join_share"] < 1 and ar2["full_tok_per_ms"] > 0
 
     # lossless: every greedy request equals that prompt decoded alone (batch of one, autoregressive)
     engine = build_engine(cfg)
