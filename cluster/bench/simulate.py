@@ -6,7 +6,10 @@ The unit: ``clients`` closed-loop clients, each sending requests of ``new_tokens
 ``front_request / 2`` on a request coming in and as much, plus ``front_chunk`` per chunk, on its answer going
 out); the coordinator's step loop with continuous batching (requests join between steps up to ``max_batch``,
 their prompts prefilled in one batched forward, then one batched target forward per step priced by
-``target(rows, tokens)``, a :class:`cluster.core.forward_cost.ForwardCost`); and the draft side.
+``target(rows, tokens)``, a :class:`cluster.core.forward_cost.ForwardCost`), each step paying the served loop's
+own work, ``served_step`` per step and ``served_token`` per token it emitted (handing the rows' tokens to the
+front, waking their waiters: paid per step and token, not per request, so a strategy that needs fewer steps pays
+the first part fewer times); and the draft side.
 
 A step of speculative decoding with draft length k over B rows costs (Leviathan et al., *Fast Inference from
 Transformers via Speculative Decoding*, section 3.4, with each call read from measured tables)
@@ -50,6 +53,8 @@ class Unit:
     front_chunk: float = 0.0
     shared_core: bool = False                    # the draft side's process shares the front's core (FIFO)
     max_batch: int = 32
+    served_step: float = 0.0                     # the served loop's own work per step ...
+    served_token: float = 0.0                    # ... and per token the step emitted
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ class _Sim:
                 self.side_free = leaves + s.side_work + s.k * per_token
         else:
             t += s.k * per_token
-        t += u.target(rows, s.k + 1) + s.overhead(rows)
+        t += u.target(rows, s.k + 1) + s.overhead(rows) + u.served_step
         self.busy = True
         self.push(t, "step", t - t0)
 
@@ -221,14 +226,16 @@ class _Sim:
         res.steps += 1
         res.step_seconds.append(seconds)
         res.row_steps += len(self.running)
-        bets = set()
-        for r in list(self.running):
+        bets, got = set(), {}
+        for r in self.running:
             a = self.accepted(r.accept) if s.k else 0
             if self.predrafted and a == s.k and r.guess.random() < s.alpha:
                 bets.add(r.rid)
-            got = min(a + 1, r.left)
-            r.left -= got
-            res.tokens += got
+            got[r.rid] = min(a + 1, r.left)
+        t += self.u.served_token * sum(got.values())          # the tokens handed on before any answer leaves
+        for r in list(self.running):
+            r.left -= got[r.rid]
+            res.tokens += got[r.rid]
             r.chunks += s.chunks_per_step
             if r.left == 0:
                 self.running.remove(r)

@@ -2,18 +2,24 @@
 
 * forward costs (each cell the fastest of :data:`REPEATS` passes): the engine's own handles timed by
   :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows
-  x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts' mean length;
+  x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts'
+  mean length;
 * acceptance: a short greedy run of each strategy, alone and batched, whose per-step accepted counts
   (``RequestStats.accepted_hist``) the simulator replays, and whose accepted / drafted share is the bonus-guess
   rate;
 * the engine's own work per step (``overhead(rows)``): that run's wall seconds per step less the forwards the
-  cost tables price, at one row (alone) and at the batched run's mean rows, linear between them;
+  cost tables price, at one row (alone) and at the mean rows of batched runs of :data:`BATCHES` requests,
+  piecewise linear between them (and beyond the last, along the last segment);
 * the draft call beyond the actor's compute (``rtt``): docs/cluster.md's "Where a served step goes now" table
   (2.20 ms for a neural drafter, whose pre-draft thread holds the GIL while the reply leaves; 1.60 ms for mag);
 * the draft side's own work per block beyond its k drafter forwards: the same table's 3.68 ms of compute in
   the actor for a k = 4 call at one row, less k drafter forwards priced now;
-* the front's per-request cost: the ONE fitted parameter, from the measured autoregressive served cell at
-  c = 1 of each topology (:func:`fit_front`).
+* the served step's own work, ``a`` seconds per step plus ``b`` per token it emitted (handing tokens to the
+  front, waking waiters): the fitted parameters, ``a + b`` from the measured autoregressive served cell at c = 1
+  of each topology and ``b`` from its cell at the largest c (:func:`fit_served`).  It was a per-request front
+  cost, fitted at c = 1 alone: a request of autoregressive decoding's 64 steps then carried 67-89 ms of "front"
+  that a speculative request of 17 steps carried as well, and as a server it capped autoregressive at 718 tok/s
+  from c = 16 (measured: 1,060-1,234).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ RTT_S = {"neural": 2.20e-3, "mag": 1.60e-3}        # docs/cluster.md, "Where a s
 ACTOR_DRAFT_S = 3.68e-3                             # ibid.: a k = 4 draft call's compute in the actor, one row
 ROWS = (1, 2, 4, 8, 16)
 REPEATS = 3                                          # passes per run; the fastest is kept
+BATCHES = (16, 32)                                   # requests run together for the per-step overhead's points
 K = 4
 
 
@@ -48,7 +55,11 @@ class Measured:
     step_ms: dict = field(default_factory=dict)      # rows -> measured ms per step in-process
 
     def overhead_at(self, rows: float) -> float:
-        (r0, o0), (r1, o1) = self.overhead[0], self.overhead[-1]
+        pts = sorted(self.overhead)
+        if len(pts) == 1:
+            return max(0.0, pts[0][1])
+        i = next((j for j in range(1, len(pts) - 1) if rows <= pts[j][0]), len(pts) - 1)
+        (r0, o0), (r1, o1) = pts[i - 1], pts[i]
         return max(0.0, o0 if r1 == r0 else o0 + (o1 - o0) * (rows - r0) / (r1 - r0))
 
 
@@ -61,11 +72,12 @@ class Inputs:
     prompt_len: int
     max_batch: int
 
-    def unit(self, front: float = 0.0, topology: str = "colocated") -> Unit:
+    def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
-        clients share -- with the draft actor, in the separated topology."""
-        return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), front_request=front,
-                    max_batch=self.max_batch, shared_core=topology == "separated")
+        clients share -- with the draft actor, in the separated topology; ``served``: (a, b) of the served
+        step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
+        return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), max_batch=self.max_batch,
+                    shared_core=topology == "separated", served_step=served[0], served_token=served[1])
 
     def strategy(self, m: Measured, topology: str) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
@@ -92,21 +104,22 @@ def _run(engine, m: Measured, prompts, max_new: int, batched: bool):
     return out, time.perf_counter() - t0
 
 
-def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, batch: int) -> Measured:
-    """Run ``m`` greedy on ``prompts`` one at a time, then ``batch`` of them (cycled) together, each
+def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, batches: tuple[int, ...]) -> Measured:
+    """Run ``m`` greedy on ``prompts`` one at a time, then each of ``batches`` of them (cycled) together, each
     :data:`REPEATS` times keeping the fastest pass; fill its acceptance
     histogram, bonus rate and per-step overhead (wall per step less the priced forwards)."""
     drafter = inp.drafters.get(m.drafter, (None, None))[0]
     engine.generate(GenerationRequest(prompt_ids=list(prompts[0]), max_new_tokens=4, sampling=SamplingParams(0.0),
                                       seed=0, strategy=m.strategy, options=dict(m.options), ignore_eos=True))
-    hist, drafted, accepted, points = [0] * (m.k + 1), 0, 0, []
-    together = (list(prompts) * batch)[:batch]
-    for batched, group in ((False, prompts), (True, together)):
+    hist, drafted, accepted, walls = [0] * (m.k + 1), 0, 0, []
+    runs_of = [(False, prompts)] + [(True, (list(prompts) * b)[:b]) for b in batches]
+    for batched, group in runs_of:
         runs = [_run(engine, m, group, max_new, batched) for _ in range(REPEATS)]
         out, wall = min(runs, key=lambda run: run[1])         # the least disturbed pass on a shared machine
         steps = [max(1, r.stats.steps if m.k else r.stats.target_forwards) for r in out]
         for r in out:
-            for n, count in enumerate(r.stats.accepted_hist[:m.k + 1]):
+            hist += [0] * (len(r.stats.accepted_hist) - len(hist))
+            for n, count in enumerate(r.stats.accepted_hist):
                 hist[n] += count
             drafted, accepted = drafted + r.stats.drafted_tokens, accepted + r.stats.accepted_tokens
         if batched:
@@ -118,15 +131,18 @@ def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, ba
             wall -= len(group) * inp.prefill(1, inp.prompt_len)
         per_step = wall / n_steps
         m.step_ms[round(rows, 1)] = round(1e3 * per_step, 3)
-        points.append((rows, per_step - _forwards(inp.target, drafter, m.k, rows)))
-    m.overhead = tuple(points)
+        walls.append((rows, per_step))
+    if m.k:              # a cascade drafts blocks longer than its k (CS Drafting's vertical cascade): its longest
+        m.k = len(hist) - 1                              # block is what a step verifies at most
+    m.overhead = tuple((rows, per_step - _forwards(inp.target, drafter, m.k, rows)) for rows, per_step in walls)
     if m.k:
-        m.accepted = tuple(h / max(1, sum(hist)) for h in hist)
+        # none: every step of the runs decoded plainly (a planned row whose planner chose k = 0 throughout)
+        m.accepted = tuple(h / sum(hist) for h in hist) if sum(hist) else None
         m.alpha = accepted / drafted if drafted else 0.0
     return m
 
 
-def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batch: int = 16) -> Inputs:
+def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batches=BATCHES) -> Inputs:
     """Everything the simulator needs about this machine, measured now through ``engine``."""
     neural = sorted({o.get("drafter") for _, (s, o) in specs.items() if o.get("drafter")})
     passes = [measure_costs(engine.models, cfg.target, neural, rows=ROWS, new_tokens=(1, K + 1), iters=3)
@@ -141,7 +157,8 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
         m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
-        inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, min(batch, cfg.engine.max_batch)))
+        sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
+        inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, sizes))
     return inp
 
 
@@ -151,9 +168,26 @@ def _fastest(tables: list[ForwardCost]) -> ForwardCost:
     return ForwardCost({key: min(t.table[key] for t in tables) for key in tables[0].table}).monotone()
 
 
-def fit_front(inp: Inputs, measured_tok_s: float, requests: int, max_new: int, topology: str) -> float:
-    """The front's per-request seconds that make the simulated autoregressive cell at c = 1 read
-    ``measured_tok_s``: the measured seconds per request less the simulated ones without a front."""
+def fit_served(inp: Inputs, ar_cells: dict[int, dict], max_new: int, topology: str) -> tuple[float, float]:
+    """(a, b): the served step's own work, ``a`` seconds per step and ``b`` per token emitted, that makes the
+    simulated autoregressive cells read what was measured -- at c = 1 (one token a step) ``a + b`` is the
+    measured seconds per request less the simulated ones, per step; ``b`` (0 without a cell above c = 1) by
+    bisection on the cell at the largest c.  ``ar_cells``: c -> the measured autoregressive cell (``tok_s``,
+    ``requests``)."""
     ar = next(m for m in inp.strategies if m.k == 0)
-    bare = replicate(inp.unit(0.0, topology), inp.strategy(ar, topology), 1, requests, max_new, seeds=1)
-    return max(0.0, max_new / measured_tok_s - bare.seconds / requests)
+    strategy = inp.strategy(ar, topology)
+    one = ar_cells[1]
+    bare = replicate(inp.unit((0.0, 0.0), topology), strategy, 1, one["requests"], max_new, seeds=1)
+    per_request = bare.steps / max(bare.requests, 1)
+    step = max(0.0, (max_new / one["tok_s"] - bare.seconds / one["requests"]) / per_request)
+    c = max(ar_cells)
+    if c == 1:
+        return step, 0.0
+    lo, hi = 0.0, step                                   # b: seconds per token, within a + b at one client
+    for _ in range(30):                                  # simulated tok/s falls as b grows (and a shrinks)
+        mid = (lo + hi) / 2
+        res = replicate(inp.unit((step - mid, mid), topology), strategy, c, ar_cells[c]["requests"], max_new,
+                        seeds=1)
+        lo, hi = (mid, hi) if res.tok_s > ar_cells[c]["tok_s"] else (lo, mid)
+    b = (lo + hi) / 2
+    return step - b, b
