@@ -154,10 +154,10 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
            for n in [cfg.target, *neural]}
     inp = Inputs(costs[cfg.target], pre[cfg.target], {n: (costs[n], pre[n]) for n in neural}, [], plen,
                  cfg.engine.max_batch)
+    sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
         m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
-        sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
         inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, sizes))
     return inp
 

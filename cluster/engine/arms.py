@@ -136,12 +136,11 @@ def nearby(bands: dict, drafter: str, index: int, k_max: int, reach: int = 2,
     return out
 
 
-def affordable(bands: dict, key: tuple[str, int], budget: float, every: int) -> bool:
-    """Whether the plain band ``key`` may start a scheduled probe: its exploring so far within its share of its
+def affordable(band: Band, budget: float, every: int) -> bool:
+    """Whether the plain ``band`` may start a scheduled probe: its exploring so far within its share of its
     observed wall time.  The share is ``budget`` while the band probes every ``every`` plans, and shrinks in step
     as its interval backs off (every neighbour tried and lost): at 32 rows a band that never speculates would
     otherwise pay the whole budget for good (docs/cluster.md, "The planner's estimates, mended", item 9)."""
-    band = bands[key]
     return band.probe_seconds <= budget * every / max(band.interval, every, 1) * band.seconds
 
 

@@ -270,7 +270,7 @@ class Planner:
             probe_at = band.plans if band.run_left == 0 else None
         elif k_max > 0 and self.probe_every and band.plans >= band.next_probe and (
                 band.again is not None or best > 0 or
-                affordable(self._bands, key, self.probe_budget, self.probe_every)):
+                affordable(band, self.probe_budget, self.probe_every)):
             if band.again is not None and 0 <= band.again <= k_max and band.again != best:
                 cand = band.again
             else:

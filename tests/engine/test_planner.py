@@ -264,7 +264,7 @@ def test_a_plain_band_whose_probes_keep_losing_explores_ever_less(monkeypatch):
         return explored / total
 
     assert explored_share() < 0.03
-    whole = lambda bands, key, budget, every: bands[key].probe_seconds <= budget * bands[key].seconds  # noqa: E731
+    whole = lambda band, budget, every: band.probe_seconds <= budget * band.seconds  # noqa: E731
     monkeypatch.setattr("cluster.engine.planner.affordable", whole)
     assert explored_share() > 0.08
 
