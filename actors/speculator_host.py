@@ -35,14 +35,15 @@ class SpeculatorServer(SocketServer):
 
     def __init__(self, speculator: Speculator, *, same_node: bool, authkey: bytes):
         self.speculator = speculator
-        self.fills = self.given_up = 0
+        self.fills = self.given_up = self.aheads = 0
         super().__init__(None, same_node=same_node, authkey=authkey)
 
     def _loop(self, conn) -> None:
         _lower_priority(NICER)
+        early = []                               # a fill that came while drafting ahead, as predicted
         while True:
             try:
-                fill = conn.recv()
+                fill = early.pop() if early else conn.recv()
             except (EOFError, OSError):
                 break
             newer = []
@@ -64,6 +65,22 @@ class SpeculatorServer(SocketServer):
                 conn.send(reply)
             except (OSError, ValueError):
                 break
+            if not newer and not conn.poll():    # idle until the next fill: draft it ahead on the likeliest outcome
+                try:
+                    self.aheads += bool(self.speculator.ahead(stop=lambda: self._ahead_stop(conn, early)))
+                except (EOFError, OSError):
+                    break
+                except Exception:                # noqa: BLE001 - a failed look-ahead only loses its head start
+                    log.exception("speculator look-ahead after fill %s failed", fill.id)
+
+    def _ahead_stop(self, conn, early: list) -> bool:
+        """Asked between the look-ahead's drafting rounds: go on while no fill came, or the one that came asks
+        exactly what is being drafted (it is answered from it once done); give up for any other."""
+        if not early:
+            if not conn.poll():
+                return False
+            early.append(conn.recv())
+        return not self.speculator.predicted(early[0])
 
 
 def _lower_priority(more: int) -> None:

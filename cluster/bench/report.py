@@ -164,8 +164,9 @@ def cache_columns(c: dict) -> dict:
     speculative steps served from the cache, by branch kind (``known``: the engine's two groups), late answers, wasted draft tokens per step, the fan-out
     (branches per fill), and the coordinator's time per draft call when every block was a hit (its whole cost:
     no drafting) and over all calls; ``raced_share``: steps served by a late answer that came while near drafted
-    (counted in the hits too), ``raced_near``: near drafting rounds done before it came, per such step; {} without
-    steps."""
+    (counted in the hits too), ``raced_near``: near drafting rounds done before it came, per such step;
+    ``ahead_share``: steps whose answer the speculator had drafted before the fill came (``Speculator.ahead``); {}
+    without steps."""
     n = c.get("steps", 0)
     if not n:
         return {}
@@ -178,5 +179,5 @@ def cache_columns(c: dict) -> dict:
             "draft_ms": round(1e3 * c["call_s"] / c["calls"], 3) if c["calls"] else None,
             "fill_ms": round(1e3 * c["fill_s"] / c["fills"], 3) if c["fills"] else None,
             "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3),
-            "raced_share": round(c.get("raced", 0) / n, 3),
+            "raced_share": round(c.get("raced", 0) / n, 3), "ahead_share": round(c.get("ahead", 0) / n, 3),
             "raced_near": round(c["raced_rounds"] / c["raced"], 2) if c.get("raced") else None}

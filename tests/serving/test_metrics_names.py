@@ -112,12 +112,12 @@ def test_speculation_counters_record_each_rounds_difference_by_branch_kind():
     seen = []
     for key, counter in m.speculation.items():
         counter.inc = lambda n, tags, key=key: seen.append((key, n, tags.get("kind")))
-    c = CacheCounters(steps=10, late=2, wasted=7, rows=9, fills=4, raced=1)
+    c = CacheCounters(steps=10, late=2, wasted=7, rows=9, fills=4, raced=1, ahead=3, short=2)
     c.hits.update({"bonus": 3, "reject": 1})
     m.record_speculation({k: v for k, v in c.as_dict().items()})
     assert sorted(seen) == sorted([("steps", 10, None), ("hits", 3, "bonus"), ("hits", 1, "reject"),
                                    ("late", 2, None), ("wasted", 7, None), ("rows", 9, None), ("fills", 4, None),
-                                   ("raced", 1, None)])
+                                   ("raced", 1, None), ("ahead", 3, None), ("short", 2, None)])
     seen.clear()
     m.record_speculation({"steps": 0, "hits_bonus": 0, "hits_reject": 2})      # only what changed
     assert seen == [("hits", 2, "reject")]

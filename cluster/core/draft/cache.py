@@ -180,12 +180,15 @@ class CacheCounters:
     fill_s: float = 0.0          # seconds on the fills answered in time (``fills`` of each)
     raced: int = 0               # hits (of ``hits``) from a late answer that came while near drafted, and the
     raced_rounds: int = 0        # near drafting rounds (tokens, for a neural drafter) done before it came
+    ahead: int = 0               # requests of the fills answered in time whose blocks were drafted ahead of the fill
+    short: int = 0               # right bets not taken: shorter than asked, in a step that drafted near anyway
 
     def as_dict(self) -> dict:
         return dict(steps=self.steps, **{f"hits_{k}": self.hits[k] for k in KINDS}, late=self.late,
                     late_fills=self.late_fills, wasted=self.wasted, rows=self.rows, fills=self.fills, calls=self.calls, call_s=self.call_s,
                     hit_calls=self.hit_calls, hit_s=self.hit_s, gap_s=self.gap_s, fill_s=self.fill_s,
-                    raced=self.raced, raced_rounds=self.raced_rounds)
+                    raced=self.raced, raced_rounds=self.raced_rounds, ahead=self.ahead,
+                    short=self.short)
 
 
 class SpeculationCache:

@@ -54,14 +54,17 @@ class SpeculatorLink(ABC):
 
 class LocalLink(SpeculatorLink):
     """A speculator in this process (tests, ``--runtime in-process``): each fill is drafted when sent, and its
-    answer arrives ``delay`` polls later (0: at the next step; more: a speculator that is late)."""
+    answer arrives ``delay`` polls later (0: at the next step; more: a speculator that is late); ``ahead``: then
+    drafts the next fill ahead on its likeliest outcome, as the actor's host does while idle."""
 
-    def __init__(self, speculator: Speculator, delay: int = 0):
-        self.speculator, self.delay = speculator, delay
+    def __init__(self, speculator: Speculator, delay: int = 0, ahead: bool = False):
+        self.speculator, self.delay, self.ahead = speculator, delay, ahead
         self._queue: list[list] = []                   # [polls to wait, reply]
 
     def send(self, fill: Fill) -> bool:
         self._queue.append([self.delay, self.speculator.fill(fill)])
+        if self.ahead:
+            self.speculator.ahead()
         return True
 
     def poll(self) -> list[Reply]:
@@ -137,9 +140,14 @@ class NearFarSide(BatchedHandle):
         out: list = [None] * len(items)
         miss = []
         c = self.cache.counters
-        for i, (rid, spec, limit, _) in enumerate(items):
+        taken = [self.take(rid, spec) for rid, spec, _, _ in items]
+        if None in taken:       # near drafts this step anyway, one batched forward per round for all its rows: a
+            for i, used in enumerate(taken):     # row whose cached block is shorter than asked is drafted there too
+                if used is not None and len(used.block.tokens) < items[i][2]:
+                    taken[i] = None
+                    c.short, c.wasted = c.short + 1, c.wasted + len(used.block.tokens)
+        for i, ((rid, spec, limit, _), used) in enumerate(zip(items, taken)):
             c.steps += 1
-            used = self.take(rid, spec)
             if used is not None:
                 c.hits[used.key[0]] += 1
                 out[i] = used.block.tail(0, limit)
@@ -178,6 +186,7 @@ class NearFarSide(BatchedHandle):
                     if rid in live:
                         self.cache.put(rid, entries)
                 self.cache.counters.rows += reply.rows
+                self.cache.counters.ahead += reply.ahead
                 self.cache.counters.fills += 1
                 self._waiting = []
             elif reply.id:                             # a late answer to an older fill: all of it wasted

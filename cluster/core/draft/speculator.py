@@ -20,7 +20,7 @@ it was drafted from (:meth:`cluster.core.draft.cache.SpeculationCache.take`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.core.draft.cache import KNOWN, Entry, candidates
 from cluster.core.draft.programs import DraftBlock, DraftSpec
@@ -65,6 +65,7 @@ class Reply:
     rows: int = 0
     tokens: int = 0
     compute_s: float = 0.0                  # the speculator's seconds on this fill (set by its host)
+    ahead: int = 0                          # requests answered from blocks drafted ahead (:meth:`Speculator.ahead`)
 
 
 def _branch_rid(rid: str, i: int | str) -> str:
@@ -79,14 +80,65 @@ class Speculator:
         self.side = DraftSide(members, rng_factory=rng_factory, sampled=True, alts=alts)
         self._at: dict[str, list[int]] = {}       # branch id -> the committed sequence it was moved to
         self._branches: dict[str, set[str]] = {}  # rid -> its branch ids
+        self._next = None       # the last fill's (items, keys, depth, entries): what :meth:`ahead` predicts from
+        self._ahead: dict = {}  # rid -> ((predicted item, keys, depth), entries) drafted ahead of the fill
+        self._pred: dict = {}   # rid -> (predicted item, keys, depth) of the look-ahead last started
 
     def fill(self, fill: Fill, stop=None) -> Reply:
         for rid in fill.released:
             self.release(rid)
+            self._ahead.pop(rid, None)
         items = [it for it in fill.items if it.block or it.known]
         if not items or not fill.keys:
+            self._next = None
             return Reply(fill.id, {})
-        per = max(1, len(fill.keys) // len(items))
+        keys = self._keys(fill, items)
+        ready = {it.rid: self._ahead[it.rid][1] for it in items if self._ahead.get(it.rid, (None,))[0] ==
+                 (_drafts(it), keys, fill.depth)}
+        self._ahead = {}
+        out, rows, tokens = self._draft([it for it in items if it.rid not in ready], keys, fill.depth, stop)
+        for rid, entries in ready.items():            # (counted as drafted for this fill: they were, ahead of it)
+            out[rid] = entries
+            rows, tokens = rows + len(entries), tokens + sum(len(e.block.tokens) for e in entries)
+        self._next = (items, keys, fill.depth, out)
+        return Reply(fill.id, out, rows, tokens, ahead=len(ready))
+
+    def predicted(self, fill: Fill) -> bool:
+        """Whether :meth:`ahead` is drafting (or drafted) exactly what ``fill`` asks: every item as predicted."""
+        items = [it for it in fill.items if it.block or it.known]
+        keys = self._keys(fill, items) if items else []
+        return bool(items) and not fill.released and all(
+            self._pred.get(it.rid) == (_drafts(it), keys, fill.depth) for it in items)
+
+    @staticmethod
+    def _keys(fill: Fill, items: list) -> list:
+        return fill.keys[:max(1, len(fill.keys) // len(items))]
+
+    def ahead(self, stop=None) -> int:
+        """Between fills: draft the next fill's branches for the likeliest outcome of the last one -- each request's
+        bonus branch came true (its whole block accepted, the bet on the bonus right) and the coordinator verifies
+        the block drafted for it -- so that fill, when it comes as predicted, is answered at once (PEARL's drafting
+        that never waits for verification, one step further).  Kept per request only when drafted in full; used
+        only for a fill item equal to the predicted one.  Returns the requests drafted ahead."""
+        last, self._next = self._next, None
+        if last is None:
+            return 0
+        items, keys, depth, out = last
+        pred = []
+        for it in items:
+            e = next((e for e in out.get(it.rid, ()) if e.key[0] == "bonus"), None)
+            if e is not None and not it.known:
+                budget = it.budget - len(it.block) - 1
+                pred.append(FillItem(it.rid, list(e.expect), it.sampling, it.seed, it.spec, list(e.block.tokens),
+                                     min(it.limit, budget - 1), budget, e.block.alts))
+        self._pred = {it.rid: (_drafts(it), keys, depth) for it in pred}
+        drafted, _, _ = self._draft(pred, keys, depth, stop, whole=True)
+        self._ahead = {it.rid: (self._pred[it.rid], drafted[it.rid]) for it in pred if it.rid in drafted}
+        return len(self._ahead)
+
+    def _draft(self, items: list[FillItem], keys: list, depth: int, stop=None, whole: bool = False):
+        """The blocks of ``items``' branches ``keys`` as one batch: ({rid: entries}, rows, tokens); ``whole``: a
+        request whose branches were not all drafted in full (``stop``) gets none."""
         runs, where = [], []
         for it in items:
             if it.known:                                  # the next step's own sequence: no outcome to bet on
@@ -94,8 +146,8 @@ class Speculator:
                     runs.append((self._move(it, "k", it.seq), it.spec, it.limit, it.budget))
                     where.append((it, None))
                 continue
-            for i, br in enumerate(candidates(it.block, it.alts, fill.keys[:per])):
-                nxt = min(it.limit, fill.depth, it.budget - br.pos - 2)   # the next step's limit on this outcome
+            for i, br in enumerate(candidates(it.block, it.alts, keys)):
+                nxt = min(it.limit, depth, it.budget - br.pos - 2)   # the next step's limit on this outcome
                 if nxt >= 1:
                     bonus = br.token is None                             # one token more: the bet, then the block
                     runs.append((self._move(it, i, br.start(it.seq, it.block)), it.spec, nxt + bonus,
@@ -103,8 +155,11 @@ class Speculator:
                     where.append((it, br))
         blocks = self.side.draft_batch(runs, stop=stop) if runs else []
         out: dict[str, list[Entry]] = {}
+        short: set[str] = set()
         tokens = 0
-        for (it, br), block in zip(where, blocks):
+        for (it, br), block, run in zip(where, blocks, runs):
+            if not isinstance(block, DraftBlock) or len(block.tokens) < run[2]:
+                short.add(it.rid)
             if br is None:
                 if isinstance(block, DraftBlock) and block.tokens:
                     out.setdefault(it.rid, []).append(Entry(list(it.seq), it.spec, block, KNOWN))
@@ -117,7 +172,9 @@ class Speculator:
                 expect, block = expect + block.tokens[:1], block.tail(1, len(block.tokens) - 1)
             out.setdefault(it.rid, []).append(Entry(expect, it.spec, block, br.key))
             tokens += len(block.tokens)
-        return Reply(fill.id, out, len(runs), tokens)
+        if whole:
+            out = {rid: e for rid, e in out.items() if rid not in short}
+        return out, len(runs), tokens
 
     def release(self, rid: str) -> None:
         for prid in self._branches.pop(rid, ()):
@@ -140,6 +197,12 @@ class Speculator:
         self._at[prid] = list(seq)
         self._branches.setdefault(it.rid, set()).add(prid)
         return prid
+
+
+def _drafts(it: FillItem) -> FillItem:
+    """``it`` as far as it decides what is drafted: its budget matters only up to ``limit + len(block) + 2`` (every
+    branch's block is then ``limit`` long at most, :meth:`Speculator._draft`)."""
+    return replace(it, budget=min(it.budget, it.limit + len(it.block) + 2))
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -72,7 +72,8 @@ SPECULATION = {
     "ray_specserve_speculation_steps_total": "counter", "ray_specserve_speculation_hits_total": "counter",
     "ray_specserve_speculation_late_total": "counter", "ray_specserve_speculation_wasted_draft_tokens_total": "counter",
     "ray_specserve_speculation_branches_total": "counter", "ray_specserve_speculation_fills_total": "counter",
-    "ray_specserve_speculation_raced_total": "counter",
+    "ray_specserve_speculation_raced_total": "counter", "ray_specserve_speculation_ahead_total": "counter",
+    "ray_specserve_speculation_short_total": "counter",
 }
 
 log = logging.getLogger("specserve.metrics")
@@ -86,7 +87,9 @@ SPECULATION_COUNTERS = (
     ("wasted", "wasted_draft_tokens", "tokens the speculator drafted that no step used", ()),
     ("rows", "branches", "branches the speculator drafted (answered in time)", ()),
     ("fills", "fills", "speculator answers that arrived in time", ()),
-    ("raced", "raced", "hits (of hits) from a late answer taken while the near drafter drafted", ()))
+    ("raced", "raced", "hits (of hits) from a late answer taken while the near drafter drafted", ()),
+    ("ahead", "ahead", "requests of answers in time that the speculator drafted ahead of their fill", ()),
+    ("short", "short", "right bets not taken: shorter than asked, in a step that drafted near anyway", ()))
 
 
 @dataclass

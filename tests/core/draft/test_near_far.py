@@ -25,11 +25,14 @@ from tests.support.exact import (
 )
 
 
-def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: int = 4, sampled: bool = True):
-    """A near-far draft side over ``drafters`` (near) and ``copies`` (the speculator's own drafters)."""
+def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: int = 4, sampled: bool = True,
+             ahead: bool = False):
+    """A near-far draft side over ``drafters`` (near) and ``copies`` (the speculator's own drafters); ``ahead``: the
+    speculator drafts each next fill ahead (:meth:`Speculator.ahead`)."""
     kw = {} if rng is None else dict(rng_factory=lambda s: rng)
     spec = Speculator(copies, **kw)
-    return NearFarSide(DraftSide(drafters, **kw), LocalLink(spec, delay), fanout=FanOut(rows=rows), sampled=sampled)
+    return NearFarSide(DraftSide(drafters, **kw), LocalLink(spec, delay, ahead), fanout=FanOut(rows=rows),
+                       sampled=sampled)
 
 
 # -- literal branches ------------------------------------------------------------------------------
@@ -119,6 +122,56 @@ def test_the_speculator_drafts_each_branch_from_its_own_prefix():
     assert not spec_.side.active_requests() and not spec_.side.members["d"].seqs
 
 
+def test_a_fill_drafted_ahead_answers_as_a_fresh_one_and_only_when_it_came_as_predicted():
+    """After a fill the speculator drafts the next one on the likeliest outcome (the block accepted and the bonus
+    bet right, the coordinator verifying the block drafted for it): a fill that comes as predicted is answered with
+    exactly the blocks a fresh speculator drafts for it, without drafting; any other fill is drafted as usual."""
+    spec = DraftSpec("propose", ("d",))
+    greedy = SamplingParams(0.0)
+    keys = [("bonus", -1, 0), ("reject", 0, 0)]
+    first = Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10, [[4], [0]])], keys, depth=2)
+    spec_ = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1)
+    bonus = next(e for e in spec_.fill(first).entries["r"] if e.key[0] == "bonus")
+    assert spec_.ahead() == 1
+    nxt = Fill(2, [FillItem("r", bonus.expect, greedy, 0, spec, bonus.block.tokens, 2, 7, bonus.block.alts)],
+               keys, depth=2)
+    assert spec_.predicted(nxt)
+    fresh = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1).fill(nxt)
+    drafted = []
+    draft_batch = spec_.side.draft_batch
+    spec_.side.draft_batch = lambda runs, stop=None: drafted.append(runs) or draft_batch(runs, stop=stop)
+    got = spec_.fill(nxt)
+    assert got.ahead == 1 and not drafted and (got.rows, got.tokens) == (fresh.rows, fresh.tokens) == (2, 4)
+    assert [(e.expect, e.block.tokens, e.key) for e in got.entries["r"]] == \
+        [(e.expect, e.block.tokens, e.key) for e in fresh.entries["r"]]
+    # the outcome was a rejection instead: not as predicted, drafted now
+    spec_.ahead()
+    other = Fill(3, [FillItem("r", bonus.expect[:-1] + [0], greedy, 0, spec, [1, 2], 2, 7, [[3], [4]])], keys, depth=2)
+    assert not spec_.predicted(other)
+    got = spec_.fill(other)
+    assert got.ahead == 0 and got.rows == 2 and drafted
+    # a request released since, or another fan-out, is never answered from the look-ahead
+    spec_.ahead()
+    assert not spec_.predicted(Fill(4, other.items, keys, released=["r"], depth=2))
+    assert not spec_.predicted(Fill(4, other.items, keys[:1], depth=2))
+
+
+def test_a_look_ahead_given_up_keeps_nothing():
+    """A look-ahead stopped between drafting rounds keeps no block: the fill it predicted is drafted in full."""
+    spec = DraftSpec("propose", ("d",))
+    spec_ = Speculator({"d": TabularModel("d", 5, seed=3)})
+    item = FillItem("r", [0, 1], SamplingParams(0.0), 0, spec, [2, 3], 3, 20)
+    bonus = spec_.fill(Fill(1, [item], [("bonus", -1, 0)], depth=3)).entries["r"][0]
+    asked = []
+    assert spec_.ahead(stop=lambda: asked.append(1) or len(asked) > 1) == 0 and asked
+    nxt = Fill(2, [FillItem("r", bonus.expect, item.sampling, 0, spec, bonus.block.tokens, 3, 17,
+                                bonus.block.alts)],
+               [("bonus", -1, 0)], depth=3)
+    assert spec_.predicted(nxt)                    # what it was drafting, though it kept nothing
+    got = spec_.fill(nxt)
+    assert got.ahead == 0 and got.rows == 1 and len(got.entries["r"][0].block.tokens) == 3
+
+
 # -- exact laws ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opts,sampling,delay", [
     (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
@@ -126,10 +179,12 @@ def test_the_speculator_drafts_each_branch_from_its_own_prefix():
     (dict(drafter="d", k=1), SamplingParams(1.0), 2),                      # every answer late: near only
 ])
 def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, delay):
-    """Every draw enumerated, the speculator's branches included: whichever branch the target's outcome picks
-    (or none), the first three tokens follow the target exactly."""
+    """Every draw enumerated, the speculator's branches (and its look-ahead's) included: whichever branch the
+    target's outcome picks (or none), the first three tokens follow the target exactly."""
     target = TabularModel("target", 3, seed=5)
     d = TabularModel("d", 3, seed=6, zeros=True)
+
+    sides = []
 
     def side(drafters, rng):
         copy = TabularModel("d", 3, seed=6, zeros=True, rng=rng)
@@ -138,6 +193,28 @@ def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, dela
     got = steps_law("speculative", resolve_options("speculative", opts, {}), {"target": target, "d": d}, "target",
                     [0, 1], sampling, 3, 4, side=side)
     assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+
+
+def test_blocks_drafted_ahead_keep_the_target_law_exactly():
+    """A sampled request through the engine with a speculator that drafts each next fill ahead (its look-ahead's
+    draws enumerated too): the tokens follow the target exactly, and answers drafted ahead were taken."""
+    target, d = TabularModel("target", 2, seed=31), TabularModel("d", 2, seed=32)
+    copy = TabularModel("d", 2, seed=32)
+    sampling = SamplingParams(1.0)
+    sides = []
+
+    def run(rng):
+        d.rng = copy.rng = rng
+        sides.append(near_far({"d": d}, {"d": copy}, rng=rng, rows=1, ahead=True))
+        engine = local_engine({"target": target, "d": d, DRAFTS: sides[-1]}, VocabTokenizer(2),
+                              rng_factory=lambda s: rng)
+        req = GenerationRequest(prompt_ids=[0], max_new_tokens=7, sampling=sampling, seed=1, strategy="speculative",
+                                options={"drafter": "d", "k": 1}, request_id="r")
+        return tuple(engine.generate_many([req])[0].token_ids)
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target_joint(target, [0], 7, sampling)) < 1e-9
+    assert sum(s.counters.ahead for s in sides) > 0
 
 
 def test_the_speculation_cache_batched_is_exact_per_request():
@@ -164,12 +241,13 @@ def test_the_speculation_cache_batched_is_exact_per_request():
 
 
 # -- greedy equality end to end --------------------------------------------------------------------
-@pytest.mark.parametrize("seed_d", [9, 40])
-def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d):
+@pytest.mark.parametrize("seed_d,ahead", [(9, False), (40, False), (9, True), (40, True)])
+def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d, ahead):
     """A drafter equal to the target (seed 9: every bonus bet comes true) and one that is not (seed 40:
-    rejections, some of them guessed): greedy outputs equal the target's, batched, and hits are counted by kind."""
+    rejections, some of them guessed), with and without fills drafted ahead: greedy outputs equal the target's,
+    batched, and hits are counted by kind."""
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=seed_d)
-    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=seed_d)}, sampled=False)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=seed_d)}, sampled=False, ahead=ahead)
     engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
     plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
     reqs = [dict(prompt_ids=p, max_new_tokens=30, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
@@ -180,10 +258,27 @@ def test_greedy_outputs_equal_plain_decoding_and_the_cache_is_used(seed_d):
     assert c.steps > 0 and c.fills > 0 and c.rows >= c.fills
     if seed_d == 9:
         assert c.hits["bonus"] >= c.steps - 2 * len(reqs) and c.hits["reject"] == 0
+        assert (c.ahead > 0) == ahead                  # every bet comes true: the look-ahead is used
     else:
         assert c.hits["reject"] + c.hits["bonus"] > 0 and c.wasted > 0
     assert not side.active_requests() and not side.link.speculator.active_requests()
     assert not d.seqs and not side.link.speculator.side.members["d"].seqs
+
+
+def test_a_short_cached_block_is_drafted_near_when_near_drafts_anyway():
+    """Two rows, one with a cached block shorter than asked and one without: near drafts this step anyway (one
+    batched forward per round for both), so both get its full-length blocks; alone, the short block is taken."""
+    spec, greedy = DraftSpec("propose", ("d",)), SamplingParams(0.0)
+    side = near_far({"d": TabularModel("d", 5, seed=3)}, {"d": TabularModel("d", 5, seed=3)}, sampled=False)
+    side.link.up = False                                 # nothing sent: the cache holds what the test puts there
+    side.prefill_batch([("a", [0, 1], greedy, 0), ("b", [2], greedy, 0)])
+    side.cache.put("a", [Entry([0, 1], spec, DraftBlock([4]), ("bonus", -1, 0))])
+    a, b = side.draft_batch([("a", spec, 3, 10), ("b", spec, 3, 10)])
+    assert len(a.tokens) == len(b.tokens) == 3 and side.counters.short == 1 and not side.counters.hits
+    side.rollback("a", 2), side.rollback("b", 1)
+    side.cache.put("a", [Entry([0, 1], spec, DraftBlock([4]), ("bonus", -1, 0))])
+    [a] = side.draft_batch([("a", spec, 3, 10)])
+    assert a.tokens == [4] and side.counters.hits["bonus"] == 1 and side.counters.short == 1
 
 
 def test_a_dead_speculator_leaves_near_drafting():

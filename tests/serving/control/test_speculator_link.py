@@ -65,9 +65,20 @@ def test_a_fill_answered_far_equals_the_same_fill_drafted_here(unit):
     assert [r.id for r in got] == [99]
     assert [(e.expect, e.block.tokens, e.key) for e in got[0].entries["probe"]] == \
         [(e.expect, e.block.tokens, e.key) for e in want.entries["probe"]]
+    # the actor drafts the next fill ahead on the likeliest outcome (block accepted, bonus bet right): a fill that
+    # comes as predicted is answered from that look-ahead, with the blocks a fresh speculator drafts for it
+    bonus = next(e for e in got[0].entries["probe"] if e.key[0] == "bonus")
+    nxt = Fill(100, [FillItem("probe", bonus.expect, SamplingParams(0.0), 0, DraftSpec("propose", (drafter,)),
+                              bonus.block.tokens, 3, 17, bonus.block.alts)], fill.keys)
+    link.send(nxt)
+    got = poll(lambda: link.poll(), "the speculator's reply to the predicted fill")
+    want = Speculator({drafter: build_handle(cfg, drafter)}).fill(nxt)
+    assert [r.id for r in got] == [100] and got[0].ahead == 1
+    assert [(e.expect, e.block.tokens, e.key) for e in got[0].entries["probe"]] == \
+        [(e.expect, e.block.tokens, e.key) for e in want.entries["probe"]]
     link.send(Fill(0, [], [], ["probe"]))                # released: its branches leave the actor
     unpicklable = SamplingParams(0.0, constraint=lambda: None)
-    bad = Fill(100, [FillItem("x", PROMPTS[0], unpicklable, 0, DraftSpec("propose", (drafter,)), [1], 1, 9)],
+    bad = Fill(101, [FillItem("x", PROMPTS[0], unpicklable, 0, DraftSpec("propose", (drafter,)), [1], 1, 9)],
                [("bonus", -1, 0)])
     assert link.send(bad) is False and link.up           # a fill that cannot travel is not sent; the link stays
 
