@@ -219,7 +219,7 @@ class NearFarSide(BatchedHandle):
         fill_items = []
         for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
             st = self.near.request(rid)
-            if isinstance(block, DraftBlock) and block.tokens and self._speculated(st):
+            if isinstance(block, DraftBlock) and block.tokens and self._speculated(st) and self._worth(spec):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
                                            limit, budget, block.alts))
         if not (fill_items or self._released) or not self.fanout.ask():
@@ -228,6 +228,12 @@ class NearFarSide(BatchedHandle):
         f = self.fanout
         f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
         self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth))
+
+    def _worth(self, spec) -> bool:
+        """Whether ``spec``'s blocks are worth drafting far: it drafts with a neural drafter.  The Max-Gram drafter
+        alone drafts a block in a fraction of a millisecond here: a hit would save less than the fill costs the
+        coordinator (building and sending it, reading the answer) and the speculator's core."""
+        return not all(getattr(self.members.get(n), "deterministic", False) for n in spec.drafters)
 
     def _speculated(self, st) -> bool:
         """Whether a request's blocks are drafted far: greedy ones (any, with ``sampled``), without a grammar

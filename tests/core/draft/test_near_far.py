@@ -281,6 +281,21 @@ def test_a_short_cached_block_is_drafted_near_when_near_drafts_anyway():
     assert a.tokens == [4] and side.counters.hits["bonus"] == 1 and side.counters.short == 1
 
 
+def test_blocks_of_the_max_gram_drafter_alone_are_not_drafted_far():
+    """A spec whose drafters are all deterministic (the Max-Gram drafter: a block in a fraction of a millisecond)
+    sends no fill: a hit would save less than the fill costs.  Outputs unchanged."""
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=9)
+    d.deterministic = True
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=9)}, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    req = dict(prompt_ids=[1, 2], max_new_tokens=20, sampling=SamplingParams(0.0), seed=0)
+    want = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5)).generate(
+        GenerationRequest(strategy="autoregressive", **req)).token_ids
+    got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **req))
+    assert got.token_ids == want and side.counters.steps > 0 and side.counters.fills == 0
+    assert not side.link.speculator.active_requests()
+
+
 def test_a_dead_speculator_leaves_near_drafting():
     """The link goes down: every block is drafted near, outputs unchanged, nothing is sent."""
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=9)
