@@ -230,10 +230,12 @@ class NearFarSide(BatchedHandle):
         self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth))
 
     def _worth(self, spec) -> bool:
-        """Whether ``spec``'s blocks are worth drafting far: it drafts with a neural drafter.  The Max-Gram drafter
-        alone drafts a block in a fraction of a millisecond here: a hit would save less than the fill costs the
-        coordinator (building and sending it, reading the answer) and the speculator's core."""
-        return not all(getattr(self.members.get(n), "deterministic", False) for n in spec.drafters)
+        """Whether ``spec``'s blocks are worth drafting far (measured served, docs/cluster.md): not for the Max-Gram
+        drafter alone -- it drafts a block in a fraction of a millisecond, less than a fill costs the coordinator
+        (building and sending it, reading the answer) -- nor for a cascade (CS Drafting), whose fill takes longer
+        than a verification, so its blocks came late or cut to the fan-out's depth, shorter than near drafts them."""
+        return spec.kind != "cascade" and not all(getattr(self.members.get(n), "deterministic", False)
+                                                  for n in spec.drafters)
 
     def _speculated(self, st) -> bool:
         """Whether a request's blocks are drafted far: greedy ones (any, with ``sampled``), without a grammar

@@ -281,9 +281,9 @@ def test_a_short_cached_block_is_drafted_near_when_near_drafts_anyway():
     assert a.tokens == [4] and side.counters.hits["bonus"] == 1 and side.counters.short == 1
 
 
-def test_blocks_of_the_max_gram_drafter_alone_are_not_drafted_far():
+def test_blocks_of_the_max_gram_drafter_alone_or_a_cascade_are_not_drafted_far():
     """A spec whose drafters are all deterministic (the Max-Gram drafter: a block in a fraction of a millisecond)
-    sends no fill: a hit would save less than the fill costs.  Outputs unchanged."""
+    sends no fill: a hit would save less than the fill costs; nor does a cascade's.  Outputs unchanged."""
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=9)
     d.deterministic = True
     side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=9)}, sampled=False)
@@ -294,6 +294,8 @@ def test_blocks_of_the_max_gram_drafter_alone_are_not_drafted_far():
     got = engine.generate(GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **req))
     assert got.token_ids == want and side.counters.steps > 0 and side.counters.fills == 0
     assert not side.link.speculator.active_requests()
+    d.deterministic = False                              # a neural drafter's blocks are, a cascade's are not
+    assert side._worth(DraftSpec("propose", ("d",))) and not side._worth(DraftSpec("cascade", ("d",)))
 
 
 def test_a_dead_speculator_leaves_near_drafting():
