@@ -87,6 +87,9 @@ class EngineSpec:
     # auto = per drafter and batch-size band where measured goodput says it pays, on = whenever two drafting rows
     # run, off = never (the default: on this 2-core machine two groups measured slower, docs/cluster.md)
     groups: str = "off"
+    # from this many running requests up, the drafting strategies with a fixed draft length (speculative, mag,
+    # cs_drafting) decode plainly (vLLM's speculative_disable_by_batch_size, per step); null: never
+    plain_from_batch: int | None = None
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
@@ -114,6 +117,9 @@ class EngineSpec:
         if self.device_memory_gib is not None and not 0 < self.device_memory_gib <= 1 << 20:
             raise ConfigError(f"{path}.device_memory_gib: must be in (0, 1048576] (or null: detected), "
                               f"got {self.device_memory_gib}")
+        if self.plain_from_batch is not None and not 1 <= self.plain_from_batch <= 4096:
+            raise ConfigError(f"{path}.plain_from_batch: must be in [1, 4096] (or null: never), "
+                              f"got {self.plain_from_batch}")
         check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)
         check_config_choice(f"{path}.groups", self.groups, OVERLAP)
         check_config_choice(f"{path}.strategy", self.strategy, sorted(REGISTRY))

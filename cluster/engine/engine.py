@@ -46,13 +46,14 @@ class Engine(Prefilling, CallerDriven):
     engine builds none of it); ``defaults`` holds default strategy options (from the config),
     ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue sizes and KV budget;
     ``planner`` (optional) picks each step's draft lengths from load; ``groups`` (``auto``/``on``/``off``) whether
-    the running rows step in two alternating groups (:mod:`cluster.engine.groups`).
+    the running rows step in two alternating groups (:mod:`cluster.engine.groups`); ``plain_from_batch``: from this
+    many running rows up, fixed-length drafting decodes plainly (:meth:`Prefilling._plain_by_batch`).
     """
 
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
                  limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None,
-                 groups: str = "off"):
+                 groups: str = "off", plain_from_batch: int | None = None):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
@@ -63,6 +64,7 @@ class Engine(Prefilling, CallerDriven):
         self.scheduler = Scheduler(limits)
         self.planner = planner
         self.groups = Groups(groups)        # two groups, one stepping while the other is drafted ahead
+        self.plain_from_batch = plain_from_batch   # from this many running rows, fixed-k drafting decodes plainly
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
         self._fallback = REGISTRY["autoregressive"]({}, self.models, self.target)   # target-only steps
@@ -84,7 +86,8 @@ class Engine(Prefilling, CallerDriven):
         return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
-                   request_timeout_s=spec.request_timeout_s, groups=getattr(spec, "groups", "off"))
+                   request_timeout_s=spec.request_timeout_s, groups=getattr(spec, "groups", "off"),
+                   plain_from_batch=getattr(spec, "plain_from_batch", None))
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
@@ -198,6 +201,7 @@ class Engine(Prefilling, CallerDriven):
         self.step_rows += len(running)
         for seq in running:
             seq.begin_step()
+        self._plain_by_batch(running)
         if self.planner is not None:
             self.planner.plan(running, stuck=self.stuck, resting=self._resting)
             self._planned_at = time.perf_counter()      # the drafters' late prefill is part of the step's cost

@@ -50,8 +50,28 @@ class Prefilling:
     def _planned(self, seq: Sequence) -> bool:
         """Whether ``seq``'s stale models wait for the planner: a load-aware request's drafters are prefilled
         only at the first step the planner has it draft (:meth:`_prefill_drafting`), so a request the planner
-        keeps on plain decoding costs what plain decoding costs -- no drafter prefill, no draft side."""
-        return self.planner is not None and is_planned(seq)
+        keeps on plain decoding costs what plain decoding costs -- no drafter prefill, no draft side; so are those
+        of a request that :meth:`_plain_by_batch` may keep plain."""
+        return self.planner is not None and (is_planned(seq) or self._by_batch(seq))
+
+    def _by_batch(self, seq: Sequence) -> bool:
+        return self.plain_from_batch is not None and getattr(seq.req.strategy, "plain_steps", False) \
+            and not is_planned(seq)
+
+    def _plain_by_batch(self, running: list[Sequence]) -> None:
+        """``engine.plain_from_batch`` (vLLM's ``speculative_disable_by_batch_size``, per step): from that many
+        running rows up, the requests of a drafting strategy with a fixed draft length (speculative, mag,
+        cs_drafting: ``plain_steps``) step as plain decoding (``ctx.planned_k = 0``: a target-only step, the
+        target's law exactly; the draft side is not called and catches up when drafting resumes), below it they
+        draft again.  On a device where the target is compute bound at that batch, a verification costs about
+        what its tokens cost as plain steps, so drafting only adds work (docs/cluster.md, "Plain from a batch
+        size").  Load-aware requests are left to the planner."""
+        if self.plain_from_batch is None:
+            return
+        plain = len(running) >= self.plain_from_batch
+        for s in running:
+            if self._by_batch(s):
+                s.ctx.planned_k = 0 if plain else None
 
     def stuck(self, seq: Sequence) -> bool:
         """Whether ``seq`` steps target-only whatever the planner says: its first step (the first token is the
@@ -62,12 +82,13 @@ class Prefilling:
         """Prefill the stale models (the draft side) of the planned requests that draft this step, with their
         committed tokens, one batched call per model; one that fails stays stale and steps target-only."""
         drafting = [s for s in running if s.stale and self._planned(s) and not self.stuck(s)
-                    and (s.ctx.planned_k or 0) > 0]
+                    and ((s.ctx.planned_k or 0) > 0 if is_planned(s) else s.ctx.planned_k != 0)]
         t0 = time.perf_counter()
         for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
             self._prefill([s for s in drafting if name in s.stale], {name})
-        if drafting:
-            self.planner.prefilled(drafting, time.perf_counter() - t0)
+        planned = [s for s in drafting if is_planned(s)]
+        if planned:
+            self.planner.prefilled(planned, time.perf_counter() - t0)
 
     def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
         """Start ``joined`` on their models (or on ``names`` only: stale models), one batched call each.  On

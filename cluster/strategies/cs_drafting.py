@@ -161,6 +161,7 @@ class CSDrafting(Strategy):
         # plain decoding (k = 0), grouped by this cascade (its drafters and K-matrix); it has no cost table for
         # the group, so its prior prices only the draft side's call, and measured step times price the rest
         self.load_aware = opts["plan"] == "load_aware"
+        self.plain_steps = True                           # planned_k = 0: a plain step (step)
         self.k = 1
         self.drafter = "cascade:" + ",".join(self.names) + ":" + ";".join(",".join(map(str, r)) for r in K)
 
@@ -176,7 +177,7 @@ class CSDrafting(Strategy):
     def step(self, ctx: StepContext):
         """The whole cascade below the target runs on the draft side (:class:`cluster.core.draft.programs.CSDraftProgram`),
         in one call; the target verifies its block as any draft.  A planned k = 0 is a plain decoding step."""
-        plain = self.load_aware and ctx.planned_k == 0
+        plain = ctx.planned_k == 0
         return speculative_step(ctx, self.spec, 0 if plain else ctx.budget - 1, self.verify)
 
 

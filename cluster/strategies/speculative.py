@@ -41,6 +41,7 @@ class Speculative(Strategy):
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
         self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
+        self.plain_steps = True                           # planned_k = 0: a plain step (draft_length)
         self.spec = DraftSpec("propose", (self.drafter,))
 
     def choose_drafter(self, opts) -> str:

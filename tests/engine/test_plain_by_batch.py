@@ -1,0 +1,81 @@
+"""``engine.plain_from_batch``: from that many running rows up, fixed-length drafting (speculative, cs_drafting)
+decodes plainly, and drafts again below it.  Exact: request A runs alone (drafting), B joins (two rows: plain),
+B leaves (A drafts again, its drafters caught up on the plain steps' tokens) -- the joint law of (A, B) is the
+product of the target's laws (exact enumeration, V = 3, to 1e-9).  Greedy: outputs equal plain decoding's, and at
+or above the threshold the drafters are never called."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.config.schema import EngineSpec
+from cluster.core.sampling import SamplingParams
+from cluster.engine.request import GenerationRequest
+from cluster.errors import ConfigError
+from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes, local_engine, max_abs_diff, target_joint
+
+
+class NoPlans:
+    """A planner with nothing to plan (no load-aware request): the engine then defers drafter prefills."""
+
+    def plan(self, running, stuck=None, resting=()):
+        pass
+
+    def observe(self, seconds):
+        pass
+
+    def prefilled(self, seqs, seconds=0.0):
+        raise AssertionError("only load-aware requests' prefills are the planner's")
+
+
+OPTIONS = {"speculative": {"drafter": "large", "k": 2},
+           "cs_drafting": {"drafters": "large,small", "kmatrix": "1,1;0,2"}}
+
+
+@pytest.mark.parametrize("strategy", ["speculative", "cs_drafting"])
+def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy):
+    target = TabularModel("target", 3, seed=21)
+    drafters = TabularModel("large", 3, seed=22, zeros=True), TabularModel("small", 3, seed=23)
+    holder = {}
+    engine = local_engine({"target": target, "large": drafters[0], "small": drafters[1]}, VocabTokenizer(3),
+                          rng_factory=lambda s: holder["rng"], planner=NoPlans(), plain_from_batch=2)
+
+    def run(rng):
+        holder["rng"] = rng
+        for d in drafters:
+            d.rng = rng
+        a = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=5, sampling=SamplingParams(1.0), seed=0,
+                                         strategy=strategy, options=OPTIONS[strategy]))
+        engine.step()
+        engine.step()
+        b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=2, sampling=SamplingParams(1.0), seed=1,
+                                         strategy=strategy, options=OPTIONS[strategy]))
+        while engine.has_work:
+            engine.step()
+        return tuple(a.generated), tuple(b.generated)
+
+    got = enumerate_outcomes(run)
+    want_a, want_b = target_joint(target, [0], 5), target_joint(target, [1], 2)
+    want = {(x, y): wa * wb for x, wa in want_a.items() for y, wb in want_b.items()}
+    assert max_abs_diff(got, want) < 1e-9
+
+
+@pytest.mark.parametrize("threshold,drafts", [(1, False), (3, True), (None, True)])
+def test_greedy_outputs_equal_plain_decoding_and_the_drafters_rest_at_the_threshold(threshold, drafts):
+    target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
+    engine = local_engine({"target": target, "d": d}, VocabTokenizer(5), planner=NoPlans(),
+                          plain_from_batch=threshold)
+    plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
+    reqs = [dict(prompt_ids=p, max_new_tokens=n, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
+            for i, (p, n) in enumerate((([1, 2], 30), ([3], 12), ([4, 0, 1], 20)))]
+    got = engine.generate_many([GenerationRequest(strategy="speculative", options={"drafter": "d", "k": 4}, **q)
+                                for q in reqs])
+    want = plain.generate_many([GenerationRequest(strategy="autoregressive", **q) for q in reqs])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert (d.forwards > 0) == drafts              # threshold 1: every step is plain, no drafter ever runs
+    assert not d.seqs and not target.seqs
+
+
+def test_the_threshold_is_validated_with_its_name():
+    EngineSpec(plain_from_batch=16).validate("engine")
+    with pytest.raises(ConfigError, match=r"engine\.plain_from_batch: must be in \[1, 4096\].*got 0"):
+        EngineSpec(plain_from_batch=0).validate("engine")
