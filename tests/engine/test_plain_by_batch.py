@@ -11,7 +11,8 @@ from cluster.config.schema import EngineSpec
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError
-from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes, local_engine, max_abs_diff, target_joint
+from tests.support.exact import (TabularModel, VocabTokenizer, enumerate_outcomes, join_and_leave, joint_of_two,
+                                 local_engine, max_abs_diff)
 
 
 class NoPlans:
@@ -43,20 +44,11 @@ def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy):
         holder["rng"] = rng
         for d in drafters:
             d.rng = rng
-        a = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=5, sampling=SamplingParams(1.0), seed=0,
-                                         strategy=strategy, options=OPTIONS[strategy]))
-        engine.step()
-        engine.step()
-        b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=2, sampling=SamplingParams(1.0), seed=1,
-                                         strategy=strategy, options=OPTIONS[strategy]))
-        while engine.has_work:
-            engine.step()
-        return tuple(a.generated), tuple(b.generated)
+        return join_and_leave(engine, dict(prompt_ids=[0], max_new_tokens=5, strategy=strategy,
+                                           options=OPTIONS[strategy]),
+                              dict(prompt_ids=[1], max_new_tokens=2, strategy=strategy, options=OPTIONS[strategy]), 2)
 
-    got = enumerate_outcomes(run)
-    want_a, want_b = target_joint(target, [0], 5), target_joint(target, [1], 2)
-    want = {(x, y): wa * wb for x, wa in want_a.items() for y, wb in want_b.items()}
-    assert max_abs_diff(got, want) < 1e-9
+    assert max_abs_diff(enumerate_outcomes(run), joint_of_two(target, ([0], 5), ([1], 2))) < 1e-9
 
 
 @pytest.mark.parametrize("threshold,drafts", [(1, False), (3, True), (None, True)])

@@ -9,7 +9,8 @@ import pytest
 from cluster.core.sampling import SamplingParams
 from cluster.engine.planner import is_planned
 from cluster.engine.request import GenerationRequest
-from tests.support.exact import TabularModel, VocabTokenizer, enumerate_outcomes, local_engine, max_abs_diff, target_joint
+from tests.support.exact import (TabularModel, VocabTokenizer, enumerate_outcomes, join_and_leave, joint_of_two,
+                                 local_engine, max_abs_diff, target_joint)
 
 
 class Scripted:
@@ -85,17 +86,9 @@ def test_planned_rows_batched_with_a_joining_and_leaving_request(strategy, b_str
         engine.planner = Scripted([0, 2, 1, 0, 2])
         for d in drafters:
             d.rng = rng
-        a = engine.add(GenerationRequest(prompt_ids=[0], max_new_tokens=4, sampling=SamplingParams(1.0), seed=0,
-                                         strategy=strategy, options=OPTIONS[strategy]))
-        engine.step()
         b_name, b_options = B_ROWS[b_strategy]
-        b = engine.add(GenerationRequest(prompt_ids=[1], max_new_tokens=3, sampling=SamplingParams(1.0), seed=1,
-                                         strategy=b_name, options=b_options))
-        while engine.has_work:
-            engine.step()
-        return tuple(a.generated), tuple(b.generated)
+        return join_and_leave(engine, dict(prompt_ids=[0], max_new_tokens=4, strategy=strategy,
+                                           options=OPTIONS[strategy]),
+                              dict(prompt_ids=[1], max_new_tokens=3, strategy=b_name, options=b_options), 1)
 
-    got = enumerate_outcomes(run)
-    want_a, want_b = target_joint(target, [0], 4), target_joint(target, [1], 3)
-    want = {(x, y): wa * wb for x, wa in want_a.items() for y, wb in want_b.items()}
-    assert max_abs_diff(got, want) < 1e-9
+    assert max_abs_diff(enumerate_outcomes(run), joint_of_two(target, ([0], 4), ([1], 3))) < 1e-9

@@ -188,6 +188,26 @@ def local_engine(models: dict, tokenizer, *, target: str = "target", overlap: bo
                   rng_factory=rng_factory, **kw)
 
 
+def join_and_leave(engine, a: dict, b: dict, steps_before: int) -> tuple:
+    """Request ``a`` (:class:`GenerationRequest` fields, sampled at temperature 1 from seed 0) runs alone for
+    ``steps_before`` engine steps, then ``b`` (seed 1) joins, and both run to their ends; -> (a's tokens, b's)."""
+    from cluster.engine.request import GenerationRequest
+    from cluster.core.sampling import SamplingParams
+    ra = engine.add(GenerationRequest(sampling=SamplingParams(1.0), seed=0, **a))
+    for _ in range(steps_before):
+        engine.step()
+    rb = engine.add(GenerationRequest(sampling=SamplingParams(1.0), seed=1, **b))
+    while engine.has_work:
+        engine.step()
+    return tuple(ra.generated), tuple(rb.generated)
+
+
+def joint_of_two(target, a: tuple[list[int], int], b: tuple[list[int], int]) -> dict:
+    """The product of the target's laws for two requests ``(prompt, tokens)``: their joint when independent."""
+    want_a, want_b = target_joint(target, *a), target_joint(target, *b)
+    return {(x, y): wa * wb for x, wa in want_a.items() for y, wb in want_b.items()}
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
