@@ -55,8 +55,10 @@ class Prefilling:
         return self.planner is not None and (is_planned(seq) or self._by_batch(seq))
 
     def _by_batch(self, seq: Sequence) -> bool:
+        """Whether ``engine.plain_from_batch`` decides ``seq``'s steps: a fixed-length drafting request without a
+        predicted output (whose blocks cost no drafter)."""
         return self.plain_from_batch is not None and getattr(seq.req.strategy, "plain_steps", False) \
-            and not is_planned(seq)
+            and not is_planned(seq) and not seq.req.prediction_ids
 
     def _plain_by_batch(self, running: list[Sequence]) -> None:
         """``engine.plain_from_batch`` (vLLM's ``speculative_disable_by_batch_size``, per step): from that many
