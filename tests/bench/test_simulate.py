@@ -110,7 +110,10 @@ def _cell(topology, strategy, c, tok_s, ratio):
 def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other_cell(tmp_path):
     cfg = load_config("configs/tiny.yaml")
     ensure_built(cfg, progress=False)
-    measured = [_cell(t, s, c, 20.0 * c * (1.3 if s == "default" else 1.0), 1.3 if s == "default" else 1.0)
+    # 20 tok/s per client, 0.9x linear at two: the served step's fit has room both ways (exactly linear would need
+    # a batch-2 forward no dearer than a batch-1 one, which the measured forward costs here need not be)
+    measured = [_cell(t, s, c, 20.0 * c * (0.9 if c == 2 else 1.0) * (1.3 if s == "default" else 1.0),
+                      1.3 if s == "default" else 1.0)
                 for t in ("separated", "colocated") for c in (1, 2) for s in ("autoregressive", "default")]
     measured.append(dict(topology="separated", mode="streamed", strategy="default", concurrency=1, tok_s=1.0))
     path = tmp_path / "bench_served.json"
@@ -125,7 +128,7 @@ def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other
         assert r["ratio_within_10pct"] == ("reference" if fitted
                                            else "yes" if abs(r["ratio_error_pct"]) <= 10 else "NO")
         if fitted:       # 20 tok/s per client is far slower than tiny models: the served step absorbs it
-            assert r["simulated_tok_s"] == pytest.approx(20.0 * r["c"], rel=0.01)
+            assert r["simulated_tok_s"] == pytest.approx(20.0 * r["c"] * (0.9 if r["c"] == 2 else 1.0), rel=0.01)
             assert r["served_ms_per_step"] > 0 and r["served_ms_per_token"] >= 0
     projection = json.loads((tmp_path / "simulate_projection.json").read_text())
     assert {r["batch"] for r in projection} == {1, 4, 16, 32}
