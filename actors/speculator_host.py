@@ -35,7 +35,7 @@ class SpeculatorServer(SocketServer):
 
     def __init__(self, speculator: Speculator, *, same_node: bool, authkey: bytes):
         self.speculator = speculator
-        self.fills = self.given_up = self.aheads = 0
+        self.fills = self.given_up = 0
         super().__init__(None, same_node=same_node, authkey=authkey)
 
     def _loop(self, conn) -> None:
@@ -67,7 +67,7 @@ class SpeculatorServer(SocketServer):
                 break
             if not newer and not conn.poll():    # idle until the next fill: draft it ahead on the likeliest outcome
                 try:
-                    self.aheads += bool(self.speculator.ahead(stop=lambda: self._ahead_stop(conn, early)))
+                    self.speculator.ahead(stop=lambda: self._ahead_stop(conn, early))
                 except (EOFError, OSError):
                     break
                 except Exception:                # noqa: BLE001 - a failed look-ahead only loses its head start
