@@ -135,7 +135,7 @@ class Strategy:
     lossless: ClassVar[bool] = True
     constrained: ClassVar[bool] = False   # True: samples the grammar-constrained target law exactly (core/constraint.py)
     load_aware: bool = False       # True: the engine's planner chooses the draft length (ctx.planned_k)
-    plain_steps: bool = False      # True: ctx.planned_k = 0 makes a step plain decoding (engine.plain_from_batch)
+    plain_steps: ClassVar[bool] = False   # True: ctx.planned_k = 0 makes a step plain decoding (engine.plain_from_batch)
 
     def __init__(self, opts: dict[str, Any], models: dict[str, BatchedHandle], target: str):
         self.opts, self.models, self.target_name = opts, models, target

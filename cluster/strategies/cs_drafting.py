@@ -132,6 +132,7 @@ class CSDrafting(Strategy):
     help = "Cascade Speculative Drafting: drafters review smaller drafters' drafts (vertical) and share " \
            "draft positions by size (horizontal); lossless at the target"
     options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY, KMATRIX_UNIT, MAG_LENIENCE, PLAN)
+    plain_steps = True             # planned_k = 0: a plain step (step)
     constrained = True
 
     def __init__(self, opts, models, target):
@@ -161,7 +162,6 @@ class CSDrafting(Strategy):
         # plain decoding (k = 0), grouped by this cascade (its drafters and K-matrix); it has no cost table for
         # the group, so its prior prices only the draft side's call, and measured step times price the rest
         self.load_aware = opts["plan"] == "load_aware"
-        self.plain_steps = True                           # planned_k = 0: a plain step (step)
         self.k = 1
         self.drafter = "cascade:" + ",".join(self.names) + ":" + ";".join(",".join(map(str, r)) for r in K)
 

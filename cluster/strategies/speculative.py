@@ -34,6 +34,7 @@ class Speculative(Strategy):
     help = "draft k tokens with a neural drafter, verify them in one target pass"
     options = (DRAFTER, K, VERIFY, PLAN)
     constrained = True
+    plain_steps = True             # planned_k = 0: a plain step (draft_length)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
@@ -41,7 +42,6 @@ class Speculative(Strategy):
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
         self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
-        self.plain_steps = True                           # planned_k = 0: a plain step (draft_length)
         self.spec = DraftSpec("propose", (self.drafter,))
 
     def choose_drafter(self, opts) -> str:

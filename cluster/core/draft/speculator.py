@@ -81,20 +81,19 @@ class Speculator:
         self._at: dict[str, list[int]] = {}       # branch id -> the committed sequence it was moved to
         self._branches: dict[str, set[str]] = {}  # rid -> its branch ids
         self._next = None       # the last fill's (items, keys, depth, entries): what :meth:`ahead` predicts from
-        self._ahead: dict = {}  # rid -> ((predicted item, keys, depth), entries) drafted ahead of the fill
         self._pred: dict = {}   # rid -> (predicted item, keys, depth) of the look-ahead last started
+        self._ahead: dict = {}  # rid -> the entries that look-ahead drafted in full for it
 
     def fill(self, fill: Fill, stop=None) -> Reply:
         for rid in fill.released:
             self.release(rid)
-            self._ahead.pop(rid, None)
         items = [it for it in fill.items if it.block or it.known]
         if not items or not fill.keys:
             self._next = None
             return Reply(fill.id, {})
         keys = self._keys(fill, items)
-        ready = {it.rid: self._ahead[it.rid][1] for it in items if self._ahead.get(it.rid, (None,))[0] ==
-                 (_drafts(it), keys, fill.depth)}
+        ready = {it.rid: self._ahead[it.rid] for it in items
+                 if it.rid in self._ahead and self._pred.get(it.rid) == (_drafts(it), keys, fill.depth)}
         self._ahead = {}
         out, rows, tokens = self._draft([it for it in items if it.rid not in ready], keys, fill.depth, stop)
         for rid, entries in ready.items():            # (counted as drafted for this fill: they were, ahead of it)
@@ -132,8 +131,7 @@ class Speculator:
                 pred.append(FillItem(it.rid, list(e.expect), it.sampling, it.seed, it.spec, list(e.block.tokens),
                                      min(it.limit, budget - 1), budget, e.block.alts))
         self._pred = {it.rid: (_drafts(it), keys, depth) for it in pred}
-        drafted, _, _ = self._draft(pred, keys, depth, stop, whole=True)
-        self._ahead = {it.rid: (self._pred[it.rid], drafted[it.rid]) for it in pred if it.rid in drafted}
+        self._ahead, _, _ = self._draft(pred, keys, depth, stop, whole=True)
         return len(self._ahead)
 
     def _draft(self, items: list[FillItem], keys: list, depth: int, stop=None, whole: bool = False):
@@ -177,6 +175,7 @@ class Speculator:
         return out, len(runs), tokens
 
     def release(self, rid: str) -> None:
+        self._ahead.pop(rid, None)
         for prid in self._branches.pop(rid, ()):
             self.side.release(prid)
             self._at.pop(prid, None)
