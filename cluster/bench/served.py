@@ -52,13 +52,14 @@ from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 from cluster.serving.fronts.app import start_serve
 from cluster.serving.client.sdk import SpecServeClient
+from cluster.strategies.mag import K as MAG_K
 
 ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
         "cs_load_aware")
 MODES = ("unary", "streamed")
 TOPOLOGIES = ("separated", "colocated", "speculator")
 LEVELS = (1, 2, 4, 8, 16, 32)
-K = 4
+K = 4                            # speculative rows (mag rows: the mag strategy's own default)
 PREFERRED_DRAFTER = "drafter-large"
 WARMUP_TOKENS = 4
 REQUEST_TIMEOUT_S = 300.0        # one gRPC request; a stuck server fails it as DEADLINE_EXCEEDED
@@ -75,8 +76,8 @@ def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
             "default": (None, {}),
             "speculative": ("speculative", {"k": K, "plan": "fixed", **({"drafter": drafter} if drafter else {})}),
             "load_aware": ("speculative", {"k": K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}),
-            "mag": ("mag", {"k": K, "plan": "fixed"}),
-            "mag_load_aware": ("mag", {"k": K, "plan": "load_aware"}),
+            "mag": ("mag", {"k": MAG_K.default, "plan": "fixed"}),
+            "mag_load_aware": ("mag", {"k": MAG_K.default, "plan": "load_aware"}),
             "cs_drafting": ("cs_drafting", {"plan": "fixed"}),
             "cs_load_aware": ("cs_drafting", {"plan": "load_aware"})}
 
