@@ -2,6 +2,8 @@
 exact output laws with the speculation cache, alone and batched, and greedy outputs equal to plain decoding."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.core.draft.cache import Branch, Entry, FanOut, SpeculationCache, candidates
@@ -150,10 +152,18 @@ def test_a_fill_drafted_ahead_answers_as_a_fresh_one_and_only_when_it_came_as_pr
     assert not spec_.predicted(other)
     got = spec_.fill(other)
     assert got.ahead == 0 and got.rows == 2 and drafted
-    # a request released since, or another fan-out, is never answered from the look-ahead
+    # a request released since is never answered from the look-ahead; another fan-out (the fill's branches and
+    # depth moved with a late answer) is, with the blocks drafted for the last one's
     spec_.ahead()
     assert not spec_.predicted(Fill(4, other.items, keys, released=["r"], depth=2))
-    assert not spec_.predicted(Fill(4, other.items, keys[:1], depth=2))
+    ahead = next(e for e in got.entries["r"] if e.key[0] == "bonus")
+    moved = Fill(4, [FillItem("r", ahead.expect, greedy, 0, spec, ahead.block.tokens, 2, 4, ahead.block.alts)],
+                 keys[:1], depth=1)
+    assert spec_.predicted(moved)
+    fresh = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1).fill(replace(moved, keys=keys, depth=2))
+    got = spec_.fill(moved)
+    assert got.ahead == 1 and [(e.expect, e.block.tokens, e.key) for e in got.entries["r"]] == \
+        [(e.expect, e.block.tokens, e.key) for e in fresh.entries["r"]]
 
 
 def test_a_look_ahead_given_up_keeps_nothing():
