@@ -99,23 +99,32 @@ class FanOut:
     in_time: int = 0                           # answers in time since the fan-out last changed
     on_time: float = 1.0                       # moving share of answers in time (the last ~8)
     steps: int = 0                             # steps since the speculator was last asked (backing off)
+    probing: int = 0                           # fills of the probe under way still to send
     tries: Counter = field(default_factory=Counter)
     hits: Counter = field(default_factory=Counter)
 
     RAISE_AFTER = 4                            # answers in time before the fan-out grows by one step
     BACK_OFF_BELOW = 0.5                       # back off while fewer answers than this share come in time ...
-    PROBE_EVERY = 8                            # ... asking the speculator every this many steps only
+    PROBE_EVERY = 8                            # ... asking the speculator every this many steps only,
+    PROBE_FILLS = 2                            # ... this many steps in a row (the first catches it up)
     SMOOTHING = 1 / 8                          # weight of the latest answer in ``on_time``
 
     def ask(self) -> bool:
         """Whether to send this step's fill: always, unless at the least fan-out most answers still come late
         (``on_time`` < ``BACK_OFF_BELOW``) -- the speculator has no spare core (it shares the coordinator's, or
-        the machine is loaded) and its drafting would only slow the coordinator -- then once every
-        ``PROBE_EVERY`` steps, until answers come in time again."""
-        self.steps += 1
+        the machine is loaded) and its drafting would only slow the coordinator -- then ``PROBE_FILLS`` steps in a
+        row every ``PROBE_EVERY`` steps, until answers come in time again: the first fill of a probe brings the
+        speculator up to date with the steps it was not asked about, so only the next one says whether its answers
+        can come in time (the near side judges only those)."""
         least = self.rows <= self.min_rows and self.depth <= self.min_depth
-        if not least or self.on_time >= self.BACK_OFF_BELOW or self.steps >= self.PROBE_EVERY:
-            self.steps = 0
+        if not least or self.on_time >= self.BACK_OFF_BELOW:
+            self.steps = self.probing = 0
+            return True
+        self.steps += 1
+        if self.steps >= self.PROBE_EVERY:
+            self.steps, self.probing = 0, self.PROBE_FILLS
+        if self.probing:
+            self.probing -= 1
             return True
         return False
 

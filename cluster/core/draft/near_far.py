@@ -92,6 +92,8 @@ class NearFarSide(BatchedHandle):
         self._released: list[str] = []
         self._ahead: list[tuple] = []                  # the other group's requests (ahead), for this step's fill
         self._last: dict[str, tuple] = {}              # rid -> (spec, limit) of its last draft call
+        self._asked: set[str] = set()                  # the requests of the fill sent the step before (if any)
+        self._judged = True                            # whether the last fill's answer tells the fan-out anything
 
     @property
     def counters(self):
@@ -201,7 +203,9 @@ class NearFarSide(BatchedHandle):
             self.poll()
             return
         self.cache.counters.gap_s += time.perf_counter() - self._sent_at
-        self.fanout.answered(self.poll())
+        in_time = self.poll()
+        if self._judged:
+            self.fanout.answered(in_time)
         if self._waiting:
             self.cache.counters.late += len(self._waiting)
             self.cache.counters.late_fills += 1
@@ -210,6 +214,7 @@ class NearFarSide(BatchedHandle):
         for rid, spec, limit, _ in items:
             self._last[rid] = (spec, limit)
         known = self._known()
+        asked, self._asked = self._asked, set()
         if not self.link.up:                           # (a speculator that is down lost its state with it)
             self._released = []
             return
@@ -227,7 +232,10 @@ class NearFarSide(BatchedHandle):
         length = max((len(it.block) for it in fill_items), default=0)
         f = self.fanout
         f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
-        self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth))
+        # judged only where the speculator drafted every request's last step: a fill that first catches it up (a new
+        # request's prefill, or steps it was not asked about) comes late whatever its fan-out, and judging it kept
+        # the side backed off for good (each probe late) in half the served runs at c = 1
+        self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth), all(it.rid in asked for it in fill_items))
 
     def _worth(self, spec) -> bool:
         """Whether ``spec``'s blocks are worth drafting far (measured served, docs/cluster.md): not for the Max-Gram
@@ -242,13 +250,13 @@ class NearFarSide(BatchedHandle):
         (its state stays here)."""
         return (self.sampled or st.sampling.greedy) and getattr(st.sampling, "constraint", None) is None
 
-    def _fill(self, items: list[FillItem], keys: list, depth: int) -> None:
+    def _fill(self, items: list[FillItem], keys: list, depth: int, judged: bool = True) -> None:
         self._sent += 1
         fill = Fill(self._sent, items, keys, self._released, depth)
         self._released = []
         if self.link.send(fill):
             self._waiting = [it.rid for it in items]
-            self._sent_at = time.perf_counter()
+            self._sent_at, self._judged, self._asked = time.perf_counter(), judged, set(self._waiting)
 
     # -- two groups: the other group's next blocks, from their committed sequences ----------------------
     @property

@@ -322,15 +322,16 @@ def test_a_dead_speculator_leaves_near_drafting():
 
 
 def test_a_speculator_that_is_mostly_late_is_asked_only_now_and_then():
-    """Most answers late at the least fan-out: the near side backs off to one fill every PROBE_EVERY steps (its
-    drafting would only take the coordinator's core); answers in time again bring it back."""
+    """Most answers late at the least fan-out: the near side backs off to a probe of PROBE_FILLS fills in a row
+    every PROBE_EVERY steps (its drafting would only take the coordinator's core); answers in time again bring it
+    back."""
     f = FanOut(rows=1, depth=2, min_rows=1, min_depth=2)
     assert all(f.ask() for _ in range(3))
     for late in [True, True, False] * 6:                 # two of three late: the share in time falls below half
         f.answered(not late)
     assert f.on_time < FanOut.BACK_OFF_BELOW
-    asked = [f.ask() for _ in range(3 * FanOut.PROBE_EVERY)]
-    assert sum(asked) == 3 and asked[FanOut.PROBE_EVERY - 1]
+    asked = [f.ask() for _ in range(3 * FanOut.PROBE_EVERY + 1)]
+    assert sum(asked) == 3 * FanOut.PROBE_FILLS == 6 and asked[FanOut.PROBE_EVERY - 1] and asked[FanOut.PROBE_EVERY]
     for _ in range(8):
         f.answered(True)
     assert all(f.ask() for _ in range(3))
@@ -338,6 +339,22 @@ def test_a_speculator_that_is_mostly_late_is_asked_only_now_and_then():
     for _ in range(2):
         wide.answered(False)
     assert all(wide.ask() for _ in range(20))
+
+
+def test_only_a_fill_for_requests_the_speculator_drafted_the_step_before_is_judged():
+    """A late answer to a fill that first catches the speculator up (a new request, or one it was not asked about
+    the step before) leaves the fan-out as it was; the next fill's late answer shrinks it."""
+    d = TabularModel("d", 5, seed=40)
+    side = near_far({"d": d}, {"d": TabularModel("d", 5, seed=40)}, delay=1, rows=3, sampled=False)
+    spec = DraftSpec("propose", ("d",))
+    side.prefill_batch([("r", [1, 2], SamplingParams(0.0), 0)])
+    side.draft_batch([("r", spec, 2, 20)])               # the first fill: the speculator prefills its branches
+    side.extend("r", [3])
+    side.draft_batch([("r", spec, 2, 20)])               # its answer is late, not judged; the second fill is
+    assert side.counters.late == 1 and (side.fanout.rows, side.fanout.on_time) == (3, 1.0)
+    side.extend("r", [4])
+    side.draft_batch([("r", spec, 2, 20)])
+    assert side.counters.late == 2 and side.fanout.rows == 2 and side.fanout.on_time < 1.0
 
 
 def test_late_answers_shrink_the_fan_out_and_outputs_stay_exact():
