@@ -120,9 +120,8 @@ class Speculator:
         that never waits for verification, one step further).  Kept per request only when drafted in full; used
         only for a fill item equal to the predicted one, with the last fill's branches and depth even where the fill
         asks others: the fan-out moves with every late answer (:class:`cluster.core.draft.cache.FanOut`), and
-        asking for its exact branches again threw the look-ahead away whenever it had moved (served at c = 1: from
-        the cache 0.13-0.26 of steps in half the runs, 0.51-0.53 in the others).  Each block is exact for the
-        sequence it was drafted from whichever branches were asked.  Returns the requests drafted ahead."""
+        asking for its exact branches again threw the look-ahead away whenever it had moved.  Each block is exact
+        for the sequence it was drafted from whichever branches were asked.  Returns the requests drafted ahead."""
         last, self._next = self._next, None
         if last is None:
             return 0
