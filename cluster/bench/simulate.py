@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from cluster.core.draft.side import DraftSide
@@ -73,6 +73,9 @@ class Strategy:
     predraft: bool = False                       # separated only: draft the next block during verification
     predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
     overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
+    speculator: bool = False                     # near drafting for misses, a far speculator's fills (its own core)
+    plain_from: int | None = None                # from this many rows up a step decodes plainly (plain_from_batch),
+    plain_overhead: Callable[[int], float] | None = None   # ... with the engine's work of a plain step
     chunks_per_step: int = 0                     # chunks sent per step per row (0: unary, one per request)
 
 
@@ -117,7 +120,9 @@ class _Req:
 
 class _Sim:
     def __init__(self, unit: Unit, s: Strategy, clients: int, requests: int, new_tokens: int, seed: int):
-        self.u, self.s, self.n = unit, s, new_tokens
+        self.u, self.s, self.orig, self.n = unit, s, s, new_tokens    # s: this step's view (plain or not)
+        self.plain = replace(s, k=0, drafter=None, speculator=False, separated=False,
+                             overhead=s.plain_overhead or s.overhead)
         self.seed = seed
         self.heap: list = []
         self.seq = 0
@@ -129,6 +134,7 @@ class _Sim:
         self.side_ready = 0.0                    # when the draft side's pre-draft is done
         self.predrafted = False                  # the draft side pre-drafts during this step's verification
         self.bets: set[int] = set()              # the rows whose pre-drafted block is usable
+        self.answer_at = 0.0                     # speculator: when the last fill's answer reached the coordinator
         self.res = Result()
         for c in range(min(clients, requests)):
             self.submit(0.0, c)
@@ -193,16 +199,16 @@ class _Sim:
         return s.predraft and s.separated and s.drafter is not None and rows <= s.predraft_rows
 
     def start_step(self, t: float) -> None:
-        s, u = self.s, self.u
+        u = self.u
         room = u.max_batch - len(self.running)
         joined = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        t0 = t
+        t0, rows, orig = t, len(self.running) + len(joined), self.orig
+        s = self.s = self.plain if orig.plain_from and rows >= orig.plain_from else orig
         if joined:
             t += u.prefill(len(joined))
-            if s.draft_prefill is not None and not s.separated:
+            if s.draft_prefill is not None and not s.separated and s.k:
                 t += s.draft_prefill(len(joined))
             self.running += joined
-        rows = len(self.running)
         per_token = s.drafter(rows, 1) if s.drafter is not None and s.k else 0.0
         if s.k and s.separated:                  # one draft call: half the round trip each way
             ready = max(t + s.rtt / 2, self.side_free)
@@ -215,11 +221,30 @@ class _Sim:
             self.predrafted = self.predrafting(rows)
             if self.predrafted:
                 self.side_free = leaves + s.side_work + s.k * per_token
+        elif s.k and s.speculator and s.drafter is not None:
+            t = self.speculate(t, rows, per_token)
         else:
             t += s.k * per_token
         t += u.target(rows, s.k + 1) + s.overhead(rows) + u.served_step
         self.busy = True
         self.push(t, "step", t - t0)
+
+    def speculate(self, t: float, rows: int, per_token: float) -> float:
+        """The speculator topology (:mod:`cluster.core.draft.near_far`): the rows whose bet came true take their
+        cached block if the last fill's answer is in, the rest draft near; then this step's fill goes out (the bonus
+        branch, k + 1 of the speculator's drafter rounds, on the shared core).  When every row came as predicted it
+        is answered from the look-ahead drafted from the last answer on (``Speculator.ahead``), else drafted once
+        the core is free.  Returns when verification starts."""
+        s = self.s
+        hit = sum(r.rid in self.bets for r in self.running) if self.answer_at <= t else 0
+        self.res.hits += hit
+        t += s.k * s.drafter(rows - hit, 1) if rows > hit else 0.0
+        fill = s.side_work + (s.k + 1) * per_token
+        start = self.answer_at if hit == rows else max(t + s.rtt / 2, self.side_free)
+        self.side_free = start + fill
+        self.answer_at = max(start + fill, t) + s.rtt / 2
+        self.predrafted = rows <= s.predraft_rows
+        return t
 
     def end_step(self, t: float, seconds: float) -> None:
         s, res = self.s, self.res

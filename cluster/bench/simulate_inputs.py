@@ -27,12 +27,14 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.bench.simulate import Strategy, Unit, replicate
+from cluster.core.draft.near_far import NearFarSide
 from cluster.core.forward_cost import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import forward_cost_grid, measure_costs
 from cluster.engine.request import GenerationRequest
 
 RTT_S = {"neural": 2.20e-3, "mag": 1.60e-3}        # docs/cluster.md, "Where a served step goes now"
+SOCKET_RTT_S = 0.46e-3         # a fill and its answer over a socket: 0.26 + 0.20 ms (ibid., "The draft call's hops")
 ACTOR_DRAFT_S = 3.68e-3                             # ibid.: a k = 4 draft call's compute in the actor, one row
 ROWS = (1, 2, 4, 8, 16)
 REPEATS = 3                                          # passes per run; the fastest is kept
@@ -71,25 +73,32 @@ class Inputs:
     strategies: list[Measured]
     prompt_len: int
     max_batch: int
+    plain_from: int | None = None                    # the config's engine.plain_from_batch (measured without it)
 
     def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
         clients share -- with the draft actor, in the separated topology; ``served``: (a, b) of the served
         step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
         return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), max_batch=self.max_batch,
-                    shared_core=topology == "separated", served_step=served[0], served_token=served[1])
+                    shared_core=topology in ("separated", "speculator"), served_step=served[0],
+                    served_token=served[1])
 
     def strategy(self, m: Measured, topology: str) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
         neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process."""
         cost, pre = self.drafters.get(m.drafter, (None, None))
         sep = topology == "separated" and m.k > 0
+        far = topology == "speculator" and m.k > 0 and cost is not None and m.strategy != "cs_drafting"
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
                         draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
-                        accepted=m.accepted, separated=sep,
-                        rtt=RTT_S["neural" if cost else "mag"] if sep else 0.0, predraft=sep and cost is not None,
-                        overhead=m.overhead_at)
+                        accepted=m.accepted, separated=sep, speculator=far,
+                        rtt=RTT_S["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0,
+                        predraft=sep and cost is not None,
+                        predraft_rows=NearFarSide.MAX_ROWS if far else Strategy.predraft_rows,
+                        overhead=m.overhead_at,
+                        plain_from=self.plain_from if m.k and m.options.get("plan", "fixed") == "fixed" else None,
+                        plain_overhead=next((a.overhead_at for a in self.strategies if a.k == 0), None))
 
 
 def _forwards(inp_target, drafter, k: int, rows: float) -> float:
@@ -153,7 +162,7 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
                                                       context=1, iters=2)) for _ in range(REPEATS)])
            for n in [cfg.target, *neural]}
     inp = Inputs(costs[cfg.target], pre[cfg.target], {n: (costs[n], pre[n]) for n in neural}, [], plen,
-                 cfg.engine.max_batch)
+                 cfg.engine.max_batch, cfg.engine.plain_from_batch)
     sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0

@@ -11,8 +11,9 @@ then the production-70b projection (issue 32 item 5).
    simulated tok/s and ratio to autoregressive, the error of each and whether it is within 10 % (the ratio:
    what the check is about; tok/s: also the batching, and the drift between the served run and this one).
    Rows the load-aware planner plans are simulated at their strategy's fixed k and not counted ("planned"):
-   their k moves with the planner, which the simulation does not model; nor does it model the speculator's
-   cache (the ``speculator`` topology is simulated as colocated).
+   their k moves with the planner, which the simulation does not model.  The ``speculator`` topology's neural
+   drafting is simulated with its cache (:meth:`cluster.bench.simulate._Sim.speculate`); its Max-Gram and CS
+   Drafting rows draft near, as colocated.
    Without ``--measured`` the simulated cells of ``--concurrency`` (default 1,4,16) are printed unchecked.
 3. **The projection** of ``configs/production-70b.yaml`` (:mod:`cluster.bench.projection`, cited inputs) at
    batch 1, 4, 16, 32.
@@ -22,6 +23,7 @@ Writes ``simulate_inputs``, ``simulate_calibration`` and ``simulate_projection``
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.bench.projection import project
@@ -33,6 +35,7 @@ from cluster.bench.load import parse_concurrency
 from cluster.errors import ParamError, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
+from cluster.strategies import resolve_options
 
 ROWS = ("autoregressive", "default", "mag")
 TOLERANCE = 0.10
@@ -115,10 +118,12 @@ def run(args, cfg) -> int:
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     measured = load_measured(args.measured) if getattr(args, "measured", None) else None
-    engine = build_engine(cfg)
+    # measured speculating at every batch size: the simulation decodes plainly from plain_from_batch rows itself
+    engine = build_engine(replace(cfg, engine=replace(cfg.engine, plain_from_batch=None)))
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
     specs = row_specs(cfg)
-    specs["default"] = (cfg.engine.strategy, dict(cfg.engine.options))     # what a request naming none gets
+    default = resolve_options(cfg.engine.strategy, {}, dict(cfg.engine.options))    # what a request naming none gets
+    specs["default"] = (cfg.engine.strategy, {k: v for k, v in default.items() if v is not None})
     named = {r["strategy"] for r in measured} if measured else set(ROWS)
     wanted = ["autoregressive"] + sorted(named - {"autoregressive"})
     wanted = servable(engine, specs, [r for r in wanted if r in specs])

@@ -50,6 +50,28 @@ def test_predrafting_is_never_slower_than_synchronous(alpha, clients, rtt):
         assert pre.hits == 0
 
 
+def test_a_speculator_in_time_takes_drafting_off_every_step_but_the_first_and_a_late_one_none():
+    """Every bet right (alpha 1): the first step drafts near (4 x 1 ms) and verifies (5 ms) while the speculator's
+    fill (5 rounds of 1 ms) is answered by its end; every later step takes its block from the cache and is answered
+    from the look-ahead.  A speculator twice as slow as the verification is never in time: colocated speed."""
+    fast = Strategy("s", k=4, drafter=DRAFTER, alpha=1.0, speculator=True)
+    res = simulate(Unit(TARGET), fast, 1, 1, 50)
+    assert (res.steps, res.hits) == (10, 9) and res.seconds == pytest.approx(0.009 + 9 * 0.005)
+    slow_drafter = ForwardCost({(1, 1): 0.002, (16, 1): 0.004})
+    late = simulate(Unit(TARGET), Strategy("s", k=4, drafter=slow_drafter, alpha=1.0, speculator=True), 1, 1, 50)
+    near = simulate(Unit(TARGET), Strategy("s", k=4, drafter=slow_drafter, alpha=1.0), 1, 1, 50)
+    assert late.hits == 0 and late.seconds == pytest.approx(near.seconds) == pytest.approx(10 * 0.013)
+
+
+def test_from_plain_from_rows_up_a_step_decodes_plainly():
+    """``plain_from`` 2: one client speculates; 16 clients decode as autoregressive decoding does, to the tick."""
+    s = Strategy("s", k=4, drafter=DRAFTER, alpha=0.7, plain_from=2)
+    one = simulate(Unit(TARGET), s, 1, 2, 40, seed=1)
+    assert one.tokens_per_row_step > 1.5 and one.seconds < simulate(Unit(TARGET), Strategy("ar"), 1, 2, 40).seconds
+    many, ar = (simulate(Unit(TARGET), x, 16, 16, 40, seed=1) for x in (s, Strategy("ar")))
+    assert (many.steps, many.seconds) == (ar.steps, pytest.approx(ar.seconds))
+
+
 @pytest.mark.parametrize("clients", [1, 2, 5, 16, 32])
 def test_c_clients_of_one_request_each_finish_c_times_n_tokens(clients):
     for s in (Strategy("autoregressive"), Strategy("s", k=4, drafter=DRAFTER, alpha=0.7, separated=True,
