@@ -73,7 +73,7 @@ class Strategy:
     predraft: bool = False                       # separated only: draft the next block during verification
     predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
     overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
-    speculator: bool = False                     # near drafting for misses, a far speculator's fills (its own core)
+    speculator: bool = False                     # near drafting for misses, a far speculator's fills (side core)
     plain_from: int | None = None                # from this many rows up a step decodes plainly (plain_from_batch),
     plain_overhead: Callable[[int], float] | None = None   # ... with the engine's work of a plain step
     chunks_per_step: int = 0                     # chunks sent per step per row (0: unary, one per request)

@@ -77,15 +77,17 @@ class Inputs:
 
     def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
-        clients share -- with the draft actor, in the separated topology; ``served``: (a, b) of the served
-        step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
+        clients share -- with the draft actor in the separated topology, the speculator in its own; ``served``:
+        (a, b) of the served step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
         return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), max_batch=self.max_batch,
                     shared_core=topology in ("separated", "speculator"), served_step=served[0],
                     served_token=served[1])
 
     def strategy(self, m: Measured, topology: str) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
-        neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process."""
+        neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process; speculator drafts
+        a neural drafter's misses in-process beside the speculator's fills (``Strategy.speculator``), the rest as
+        colocated; fixed-k rows decode plainly from ``plain_from`` rows up."""
         cost, pre = self.drafters.get(m.drafter, (None, None))
         sep = topology == "separated" and m.k > 0
         far = topology == "speculator" and m.k > 0 and cost is not None and m.strategy != "cs_drafting"
