@@ -65,7 +65,7 @@ class SpeculatorServer(SocketServer):
                 conn.send(reply)
             except (OSError, ValueError):
                 break
-            if not newer and not conn.poll():    # idle until the next fill: draft it ahead on the likeliest outcome
+            if not newer:                        # until the next fill: draft it ahead on the likeliest outcome
                 try:
                     self.speculator.ahead(stop=lambda: self._ahead_stop(conn, early))
                 except (EOFError, OSError):

@@ -116,8 +116,7 @@ class FanOut:
         row every ``PROBE_EVERY`` steps, until answers come in time again: the first fill of a probe brings the
         speculator up to date with the steps it was not asked about, so only the next one says whether its answers
         can come in time (the near side judges only those)."""
-        least = self.rows <= self.min_rows and self.depth <= self.min_depth
-        if not least or self.on_time >= self.BACK_OFF_BELOW:
+        if not self.backing_off:
             self.steps = self.probing = 0
             return True
         self.steps += 1
@@ -127,6 +126,11 @@ class FanOut:
             self.probing -= 1
             return True
         return False
+
+    @property
+    def backing_off(self) -> bool:
+        """At the least fan-out with most answers late (see :meth:`ask`)."""
+        return self.rows <= self.min_rows and self.depth <= self.min_depth and self.on_time < self.BACK_OFF_BELOW
 
     def keys(self, length: int) -> list[tuple[str, int, int]]:
         """The branch keys to draft for blocks of up to ``length`` tokens, best first, ``rows`` of them (ties: the

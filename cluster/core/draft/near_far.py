@@ -9,10 +9,10 @@ The engine sees one handle, :data:`cluster.core.draft.programs.DRAFTS`, as with 
   likely outcomes of that verification and sends them back to fill the speculation cache
   (:mod:`cluster.core.draft.cache`; Kumar et al., *Speculative Speculative Decoding*; Liu et al., *PEARL*).
 
-Each ``draft_batch``: read the speculator's answers that have arrived (never waiting: one that has not arrived
-counts as ``late``); per request take the block drafted from exactly the committed sequence (a hit), else draft
-near (the near drafters catch up on the tokens they missed with their first forward, as after a plain step),
-racing a late answer (:mod:`cluster.core.draft.race`: taken the moment it lands, where exact); then send the speculator the blocks about to be verified (one message, nothing awaited).
+Each ``draft_batch``: read the speculator's answers that have arrived (never waiting: one not arrived counts as
+``late``); per request take the block drafted from exactly the committed sequence (a hit), else draft near (first
+sending the committed sequences, :meth:`NearFarSide._outcome`), racing the answer (:mod:`cluster.core.draft.race`:
+taken the moment it lands, where exact); then send the speculator the blocks about to be verified (nothing awaited).
 With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
 step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
 (``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
@@ -157,6 +157,7 @@ class NearFarSide(BatchedHandle):
             else:
                 miss.append(i)
         if miss:
+            self._outcome([items[i] for i in miss])
             race = Race(self, [items[i] for i in miss]) if self._waiting else None
             blocks = self.near.draft_batch([items[i] for i in miss], race=race)
             for i, block in zip(miss, race.settle(blocks) if race else blocks):
@@ -232,10 +233,24 @@ class NearFarSide(BatchedHandle):
         length = max((len(it.block) for it in fill_items), default=0)
         f = self.fanout
         f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
-        # judged only where the speculator drafted every request's last step: a fill that first catches it up (a new
-        # request's prefill, or steps it was not asked about) comes late whatever its fan-out, and judging it kept
-        # the side backed off for good (each probe late) in half the served runs at c = 1
+        # judged only where the speculator drafted every request's last step: one that first catches it up (a prefill,
+        # steps not asked about) comes late whatever its fan-out; judging it kept the side backed off for good
         self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth), all(it.rid in asked for it in fill_items))
+
+    def _outcome(self, items: list[tuple]) -> None:
+        """A miss step with no answer awaited (bets wrong, or a first draft) sends its committed sequences before near
+        drafts (``then`` items): the speculator drafts the same blocks alongside, then bets on their verification at
+        once, not from the fill sent once near has drafted (that came late 38 % of the time after a rejection, served
+        at c = 1).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
+        if self._waiting or len(items) > self.MAX_ROWS or not self.link.up or self.fanout.backing_off:
+            return
+        then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, known=True, then=True)
+                for rid, spec, limit, budget in items for st in [self.near.request(rid)]
+                if st.sampling.greedy and self._speculated(st) and self._worth(spec)]
+        if then:
+            asked = self._asked             # (judging the next fill is as without it)
+            self._fill(then, [KNOWN], min(self.fanout.depth, self.fanout.max_depth), judged=False)
+            self._asked = asked
 
     def _worth(self, spec) -> bool:
         """Whether ``spec``'s blocks are worth drafting far (measured served, docs/cluster.md): not for the Max-Gram

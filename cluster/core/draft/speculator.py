@@ -12,7 +12,9 @@ bonus, the rest its block (PEARL's pre-draft).  A branch is a request ``rid|i`` 
 moving it to its next bet is one rollback to the common prefix and one extend (the drafters' caches are cropped,
 not refilled).  Blocks are at most ``Fill.depth`` tokens (the fan-out's choice: an answer must come within one
 verification).  A ``known`` item bets on nothing: its sequence is the one its request's next step drafts from (the
-engine's other group, :mod:`cluster.engine.groups`), drafted ``limit`` deep as branch ``rid|k``.
+engine's other group, :mod:`cluster.engine.groups`), drafted ``limit`` deep as branch ``rid|k``; a ``then`` item is
+a miss step's own sequence, sent before the coordinator drafts near: drafted as branch ``rid|0``, and the look-ahead
+(:meth:`Speculator.ahead`) then bets on the fill that verifies that block.
 
 ``stop`` (asked between drafting rounds): a newer fill has arrived, give up.  Blocks are drawn from the
 speculator's own random streams, independent of the target's draws; a block is only used for the exact sequence
@@ -42,6 +44,7 @@ class FillItem:
     budget: int                  # tokens the request may still emit this step
     alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
     known: bool = False          # ``seq`` is the request's next step's sequence (no block, no bets): draft ``limit``
+    then: bool = False           # known, and ``seq`` is this step's: the next fill bets on the block drafted here
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Speculator:
         self._next = None       # the last fill's (items, keys, depth, entries): what :meth:`ahead` predicts from
         self._pred: dict = {}   # rid -> the predicted item of the look-ahead last started
         self._ahead: dict = {}  # rid -> the entries that look-ahead drafted in full for it
+        self._bets = [("bonus", -1, 0)]   # the last branches a fill bet on (a look-ahead after ``then`` items)
 
     def fill(self, fill: Fill, stop=None) -> Reply:
         for rid in fill.released:
@@ -92,6 +96,8 @@ class Speculator:
             self._next = None
             return Reply(fill.id, {})
         keys = self._keys(fill, items)
+        if any(k != KNOWN for k in fill.keys):
+            self._bets = list(fill.keys)
         ready = {it.rid: self._ahead[it.rid] for it in items
                  if it.rid in self._ahead and self._pred.get(it.rid) == _drafts(it)}
         self._ahead = {}
@@ -121,19 +127,26 @@ class Speculator:
         only for a fill item equal to the predicted one, with the last fill's branches and depth even where the fill
         asks others: the fan-out moves with every late answer (:class:`cluster.core.draft.cache.FanOut`), and
         asking for its exact branches again threw the look-ahead away whenever it had moved.  Each block is exact
-        for the sequence it was drafted from whichever branches were asked.  Returns the requests drafted ahead."""
+        for the sequence it was drafted from whichever branches were asked.  After ``then`` items the likeliest next
+        fill verifies exactly the block drafted for each (near drafts the same greedy block), with the last bets'
+        branches.  Returns the requests drafted ahead."""
         last, self._next = self._next, None
         if last is None:
             return 0
         items, keys, depth, out = last
         pred = []
         for it in items:
-            e = next((e for e in out.get(it.rid, ()) if e.key[0] == "bonus"), None)
-            if e is not None and not it.known:
+            e = next((e for e in out.get(it.rid, ()) if e.key[0] == ("known" if it.then else "bonus")), None)
+            if e is not None and it.then:            # the fill that verifies this very block comes next
+                pred.append(FillItem(it.rid, list(it.seq), it.sampling, it.seed, it.spec, list(e.block.tokens),
+                                     it.limit, it.budget, e.block.alts))
+            elif e is not None and not it.known:
                 budget = it.budget - len(it.block) - 1
                 pred.append(FillItem(it.rid, list(e.expect), it.sampling, it.seed, it.spec, list(e.block.tokens),
                                      min(it.limit, budget - 1), budget, e.block.alts))
         self._pred = {it.rid: _drafts(it) for it in pred}
+        if any(it.then for it in items):
+            keys = self._bets
         self._ahead, _, _ = self._draft(pred, keys, depth, stop, whole=True)
         return len(self._ahead)
 
@@ -144,7 +157,7 @@ class Speculator:
         for it in items:
             if it.known:                                  # the next step's own sequence: no outcome to bet on
                 if it.limit >= 1:
-                    runs.append((self._move(it, "k", it.seq), it.spec, it.limit, it.budget))
+                    runs.append((self._move(it, 0 if it.then else "k", it.seq), it.spec, it.limit, it.budget))
                     where.append((it, None))
                 continue
             for i, br in enumerate(candidates(it.block, it.alts, keys)):

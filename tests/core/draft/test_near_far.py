@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.core.draft.cache import Branch, Entry, FanOut, SpeculationCache, candidates
+from cluster.core.draft.cache import KNOWN, Branch, Entry, FanOut, SpeculationCache, candidates
 from cluster.core.draft.near_far import LocalLink, NearFarSide
 from cluster.core.draft.programs import DRAFTS, DraftBlock, DraftSpec
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.speculator import Fill, FillItem, Speculator
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import Rng, SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.strategies import resolve_options
 from tests.support.exact import (
@@ -164,6 +164,54 @@ def test_a_fill_drafted_ahead_answers_as_a_fresh_one_and_only_when_it_came_as_pr
     got = spec_.fill(moved)
     assert got.ahead == 1 and [(e.expect, e.block.tokens, e.key) for e in got.entries["r"]] == \
         [(e.expect, e.block.tokens, e.key) for e in fresh.entries["r"]]
+
+
+def test_a_committed_sequence_sent_before_near_drafts_is_drafted_and_looked_ahead_on():
+    """A ``then`` item (a miss step's committed sequence, sent before near drafts): the speculator drafts the block
+    near drafts (the same greedy drafter), then looks ahead on the fill that verifies it, with the last fill's bets;
+    that fill, as predicted, is answered with exactly a fresh speculator's blocks, without drafting."""
+    spec, greedy = DraftSpec("propose", ("d",)), SamplingParams(0.0)
+    keys = [("bonus", -1, 0), ("reject", 0, 0)]
+    spec_ = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1)
+    spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10, [[4], [0]])], keys, depth=2))
+    then = FillItem("r", [0, 1, 4], greedy, 0, spec, [], 2, 9, known=True, then=True)
+    [known] = spec_.fill(Fill(2, [then], [KNOWN], depth=2)).entries["r"]
+    near = DraftSide({"d": TabularModel("d", 5, seed=3)}, alts=1)
+    near.prefill_batch([("r", [0, 1, 4], greedy, 0)])
+    [block] = near.draft_batch([("r", spec, 2, 9)])
+    assert (known.expect, known.key, known.block.tokens, known.block.alts) == ([0, 1, 4], KNOWN, block.tokens,
+                                                                               block.alts)
+    assert spec_.ahead() == 1
+    nxt = Fill(3, [FillItem("r", [0, 1, 4], greedy, 0, spec, block.tokens, 2, 9, block.alts)], keys, depth=2)
+    assert spec_.predicted(nxt)
+    fresh = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1).fill(nxt)
+    got = spec_.fill(nxt)
+    assert got.ahead == 1 and got.rows == fresh.rows == 2
+    assert [(e.expect, e.block.tokens, e.key) for e in got.entries["r"]] == \
+        [(e.expect, e.block.tokens, e.key) for e in fresh.entries["r"]]
+
+
+def test_a_miss_step_sends_its_committed_sequence_first_for_greedy_requests_only():
+    """A greedy miss (no answer awaited) sends a ``then`` fill before near drafts, then the bets on its block; a
+    sampled one or an awaited answer sends only the bets; a side backing off sends neither."""
+    spec = DraftSpec("propose", ("d",))
+    for sampling, waiting, off, want in [(SamplingParams(0.0), False, False, [True, False]),
+                                         (SamplingParams(1.0), False, False, [False]),
+                                         (SamplingParams(0.0), True, False, [False]),
+                                         (SamplingParams(0.0), False, True, [])]:
+        side = near_far({"d": TabularModel("d", 5, seed=3, rng=Rng(1))}, {"d": TabularModel("d", 5, seed=3)},
+                        delay=5, rng=Rng(1))
+        sent = []
+        send = side.link.send
+        side.link.send = lambda fill: sent.append(fill) or send(fill)
+        side.prefill_batch([("r", [0, 1], sampling, 0)])
+        side._waiting = ["r"] if waiting else []
+        if off:
+            side.fanout = FanOut(rows=1, depth=2, on_time=0.0)
+        side.draft_batch([("r", spec, 2, 10)])
+        assert [all(it.then for it in f.items) for f in sent if f.items] == want
+        if want and want[0]:
+            assert sent[0].items[0].seq == [0, 1] and sent[0].keys == [KNOWN]
 
 
 def test_a_look_ahead_given_up_keeps_nothing():
