@@ -128,6 +128,11 @@ class FanOut:
         return False
 
     @property
+    def fill_depth(self) -> int:
+        """Draft tokens per branch block for the next fill: ``depth``, at most ``max_depth`` (the steps' length)."""
+        return min(self.depth, self.max_depth)
+
+    @property
     def backing_off(self) -> bool:
         """At the least fan-out with most answers late (see :meth:`ask`)."""
         return self.rows <= self.min_rows and self.depth <= self.min_depth and self.on_time < self.BACK_OFF_BELOW
@@ -152,7 +157,7 @@ class FanOut:
         """The speculator's answer for the last fill was there when the next step asked (or not): late, fewer
         rows first (down to 2), then shallower blocks, then one row; in time ``RAISE_AFTER`` times, deeper
         blocks first, then more rows."""
-        self.depth = min(self.depth, self.max_depth)
+        self.depth = self.fill_depth
         self.on_time += self.SMOOTHING * (float(in_time) - self.on_time)
         if not in_time:
             self.in_time = 0

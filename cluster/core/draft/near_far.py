@@ -235,7 +235,7 @@ class NearFarSide(BatchedHandle):
         f.max_depth = max(f.min_depth, max((it.limit for it in fill_items), default=f.max_depth))
         # judged only where the speculator drafted every request's last step: one that first catches it up (a prefill,
         # steps not asked about) comes late whatever its fan-out; judging it kept the side backed off for good
-        self._fill(fill_items, f.keys(length), min(f.depth, f.max_depth), all(it.rid in asked for it in fill_items))
+        self._fill(fill_items, f.keys(length), f.fill_depth, all(it.rid in asked for it in fill_items))
 
     def _outcome(self, items: list[tuple]) -> None:
         """A miss step with no answer awaited (bets wrong, or a first draft) sends its committed sequences before near
@@ -249,7 +249,7 @@ class NearFarSide(BatchedHandle):
                 if st.sampling.greedy and self._speculated(st) and self._worth(spec)]
         if then:
             asked = self._asked             # (judging the next fill is as without it)
-            self._fill(then, [KNOWN], min(self.fanout.depth, self.fanout.max_depth), judged=False)
+            self._fill(then, [KNOWN], self.fanout.fill_depth, judged=False)
             self._asked = asked
 
     def _worth(self, spec) -> bool:
