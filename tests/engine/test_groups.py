@@ -132,7 +132,7 @@ def test_auto_tries_both_arms_per_band_and_keeps_the_faster():
 def _side(drafters: dict, copies: dict, rng=None):
     kw = {} if rng is None else dict(rng_factory=lambda s: rng)
     return NearFarSide(DraftSide(drafters, **kw), LocalLink(Speculator(copies, **kw)), fanout=FanOut(rows=2),
-                       sampled=True)
+                       sampled=True, max_rows=8)
 
 
 def _req(rid, prompt, n, sampling, k=1):

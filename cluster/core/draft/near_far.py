@@ -19,8 +19,8 @@ step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next block
 A late or dead speculator leaves colocated speed.  Lossless: every block, near or far, is a draw of the draft
 program at the exact committed sequence it is verified against, with the distribution it was drawn from, made
 independently of the target's draws (:mod:`cluster.core.draft.cache`).  Only greedy requests are speculated unless
-``sampled=True`` (as pre-drafting: a seed then gives the same tokens in every runtime); at most ``MAX_ROWS``
-requests per step (beyond, the spare core is not spare).
+``sampled=True`` (as pre-drafting: a seed then gives the same tokens in every runtime); only for steps of at most
+``max_rows`` requests (beyond, the spare core is not spare: see :attr:`NearFarSide.MAX_ROWS`).
 """
 from __future__ import annotations
 
@@ -77,11 +77,11 @@ class NearFarSide(BatchedHandle):
     """See the module docstring.  ``near``: the coordinator's draft side (overlap off); ``link``: the speculator."""
 
     name = DRAFTS
-    MAX_ROWS = 8
+    MAX_ROWS = 1    # fills for one-row steps only: with more, served measured slower (docs/cluster.md, "How many rows")
 
     def __init__(self, near: DraftSide, link: SpeculatorLink, *, fanout: FanOut | None = None,
-                 sampled: bool = False):
-        self.near, self.link, self.sampled = near, link, sampled
+                 sampled: bool = False, max_rows: int = MAX_ROWS):
+        self.near, self.link, self.sampled, self.max_rows = near, link, sampled, max_rows
         self.fanout = fanout or FanOut()
         self.cache = SpeculationCache()
         self.vocab_size, self.max_length, self.num_params = near.vocab_size, near.max_length, near.num_params
@@ -223,7 +223,7 @@ class NearFarSide(BatchedHandle):
             self._fill(known, [KNOWN], max(it.limit for it in known))
             return
         fill_items = []
-        for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.MAX_ROWS else []):
+        for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.max_rows else []):
             st = self.near.request(rid)
             if isinstance(block, DraftBlock) and block.tokens and self._speculated(st) and self._worth(spec):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
@@ -242,7 +242,7 @@ class NearFarSide(BatchedHandle):
         drafts (``then`` items): the speculator drafts the same blocks alongside, then bets on their verification at
         once, not from the fill sent once near has drafted (that came late 38 % of the time after a rejection, served
         at c = 1).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
-        if self._waiting or len(items) > self.MAX_ROWS or not self.link.up or self.fanout.backing_off:
+        if self._waiting or len(items) > self.max_rows or not self.link.up or self.fanout.backing_off:
             return
         then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, known=True, then=True)
                 for rid, spec, limit, budget in items for st in [self.near.request(rid)]

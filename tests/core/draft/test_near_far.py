@@ -26,6 +26,8 @@ from tests.support.exact import (
     target_joint,
 )
 
+BATCH = 8          # the tests batch up to this many rows through the cache (NearFarSide's max_rows; served: MAX_ROWS)
+
 
 def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: int = 4, sampled: bool = True,
              ahead: bool = False):
@@ -34,7 +36,7 @@ def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: in
     kw = {} if rng is None else dict(rng_factory=lambda s: rng)
     spec = Speculator(copies, **kw)
     return NearFarSide(DraftSide(drafters, **kw), LocalLink(spec, delay, ahead), fanout=FanOut(rows=rows),
-                       sampled=sampled)
+                       sampled=sampled, max_rows=BATCH)
 
 
 # -- literal branches ------------------------------------------------------------------------------
@@ -212,6 +214,23 @@ def test_a_miss_step_sends_its_committed_sequence_first_for_greedy_requests_only
         assert [all(it.then for it in f.items) for f in sent if f.items] == want
         if want and want[0]:
             assert sent[0].items[0].seq == [0, 1] and sent[0].keys == [KNOWN]
+
+
+def test_as_shipped_only_one_row_steps_are_speculated():
+    """``NearFarSide.MAX_ROWS`` (served: with more rows the fills cost more than they saved): a step of one greedy row
+    sends fills, a step of two sends none and is drafted near, its outputs as before."""
+    spec, greedy = DraftSpec("propose", ("d",)), SamplingParams(0.0)
+    for rows, fills in [(1, True), (2, False)]:
+        side = NearFarSide(DraftSide({"d": TabularModel("d", 5, seed=3)}),
+                           LocalLink(Speculator({"d": TabularModel("d", 5, seed=3)})))
+        sent = []
+        send = side.link.send
+        side.link.send = lambda fill: sent.append(fill) or send(fill)
+        rids = [f"r{i}" for i in range(rows)]
+        side.prefill_batch([(rid, [0, 1], greedy, 0) for rid in rids])
+        blocks = side.draft_batch([(rid, spec, 2, 10) for rid in rids])
+        assert all(len(b.tokens) == 2 for b in blocks)
+        assert bool([f for f in sent if f.items]) == fills and side.max_rows == NearFarSide.MAX_ROWS == 1
 
 
 def test_a_look_ahead_given_up_keeps_nothing():

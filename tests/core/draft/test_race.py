@@ -35,7 +35,8 @@ def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: in
     (a fan-out that late answers do not shrink: every race has branches to take)."""
     kw = {} if rng is None else dict(rng_factory=lambda s: rng)
     return NearFarSide(DraftSide(drafters, **kw), LocalLink(Speculator(copies, **kw), delay),
-                       fanout=FanOut(rows=rows, min_rows=rows, max_rows=rows), sampled=sampled)
+                       fanout=FanOut(rows=rows, min_rows=rows, max_rows=rows), sampled=sampled,
+                       max_rows=8)
 
 
 @pytest.mark.parametrize("opts,sampling,delay", [

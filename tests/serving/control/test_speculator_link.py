@@ -38,7 +38,7 @@ def unit(tiny_engine):
     poll(lambda: (link.poll(), link.up)[1], "the speculator's socket", timeout=300)
     near = {n: build_handle(cfg, n) for n in cfg.drafters}
     near[cfg.mag.name] = build_handle(cfg, cfg.mag.name, vocab_size=vocab)
-    side = NearFarSide(DraftSide(near), link)
+    side = NearFarSide(DraftSide(near), link, max_rows=8)     # the prompts batched through the cache
     engine = local_engine({cfg.target: build_handle(cfg, cfg.target), **near, DRAFTS: side}, tiny_engine.tokenizer,
                           target=cfg.target, defaults=cfg.engine.options)
     yield link, engine, cfg
