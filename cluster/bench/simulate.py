@@ -19,20 +19,20 @@ Transformers via Speculative Decoding*, section 3.4, with each call read from me
 * **separated** (the draft side in its own process): one draft call whose reply reaches the coordinator
   ``rtt`` after it was sent plus the draft side's compute (``side_work`` and k drafter forwards for the rows
   it drafts), then the verification.  The draft side has a core of its own, or shares the front's
-  (``Unit.shared_core``: one FIFO timeline for both, as on a 2-core machine).  With
-  ``predraft`` the draft side drafts the next block for every row during the verification (PEARL's
-  post-verify, Liu et al., *PEARL: Parallel Speculative Decoding with Adaptive Draft Length*, section 3),
+  (``Unit.shared_core``: one FIFO timeline for both, as on a 2-core machine).  With ``predraft`` the draft side
+  drafts the next block for every row during the verification (PEARL's post-verify, Liu et al., *PEARL*, sec. 3),
   starting when its reply has left; the next call waits for that pre-draft to finish, and only the rows whose
   bet came true -- the whole block accepted and the bonus token guessed -- skip drafting.
 
-Tokens per row per step: ``accepted + 1``, the accepted count drawn per row and step, either replayed from a
-measured histogram (``accepted[n]`` = share of steps that accepted n of k) or i.i.d. per position with rate
-``alpha``; the bonus is guessed with probability ``alpha``.  A free drafter (``drafter=None``, Max-Gram) costs
-only ``overhead``.  Everything is seeded: the same inputs and seed give the same result.
+Tokens per row per step: ``accepted + 1``, the accepted count drawn per row and step, replayed from a measured
+histogram (``accepted[n]``: share of steps that accepted n of k) or i.i.d. per position with rate ``alpha``, the
+bonus guessed with probability ``alpha``.  A free drafter (``drafter=None``, Max-Gram) costs only ``overhead``.
+The speculator topology: :meth:`_Sim.speculate`.  Seeded: the same inputs and seed give the same result.
 """
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -74,6 +74,8 @@ class Strategy:
     predraft_rows: int = DraftSide.MAX_ROWS      # ... for calls of at most this many rows (as the draft side)
     overhead: Callable[[int], float] = lambda rows: 0.0   # the engine's own work per step, by rows
     speculator: bool = False                     # near drafting for misses, a far speculator's fills (side core)
+    hit_rate: float | None = None                # speculator: share of row-steps the cache serves, answers in time,
+    branches: int = 1                            # ... drafting this many branches per row in each fill
     plain_from: int | None = None                # from this many rows up a step decodes plainly (plain_from_batch),
     plain_overhead: Callable[[int], float] | None = None   # ... with the engine's work of a plain step
     chunks_per_step: int = 0                     # chunks sent per step per row (0: unary, one per request)
@@ -123,15 +125,10 @@ class _Sim:
         self.u, self.s, self.orig, self.n = unit, s, s, new_tokens    # s: this step's view (plain or not)
         self.plain = replace(s, k=0, drafter=None, speculator=False, separated=False,
                              overhead=s.plain_overhead or s.overhead)
-        self.seed = seed
-        self.heap: list = []
-        self.seq = 0
-        self.to_issue = requests
-        self.front_free = 0.0
+        self.seed, self.heap, self.seq, self.to_issue, self.front_free = seed, [], 0, requests, 0.0
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
-        self.busy = False
-        self.side_ready = 0.0                    # when the draft side's pre-draft is done
+        self.busy, self.side_ready = False, 0.0  # side_ready: when the draft side's pre-draft is done
         self.predrafted = False                  # the draft side pre-drafts during this step's verification
         self.bets: set[int] = set()              # the rows whose pre-drafted block is usable
         self.answer_at = 0.0                     # speculator: when the last fill's answer reached the coordinator
@@ -222,28 +219,37 @@ class _Sim:
             if self.predrafted:
                 self.side_free = leaves + s.side_work + s.k * per_token
         elif s.k and s.speculator and s.drafter is not None:
-            t = self.speculate(t, rows, per_token)
+            t = self.speculate(t, rows)
         else:
             t += s.k * per_token
         t += u.target(rows, s.k + 1) + s.overhead(rows) + u.served_step
         self.busy = True
         self.push(t, "step", t - t0)
 
-    def speculate(self, t: float, rows: int, per_token: float) -> float:
-        """The speculator topology (:mod:`cluster.core.draft.near_far`): the rows whose bet came true take their
-        cached block if the last fill's answer is in, the rest draft near; then this step's fill goes out (the bonus
-        branch, k + 1 of the speculator's drafter rounds, on the shared core).  When every row came as predicted it
-        is answered from the look-ahead drafted from the last answer on (``Speculator.ahead``), else drafted once
-        the core is free.  Returns when verification starts."""
+    def speculate(self, t: float, rows: int) -> float:
+        """The speculator topology (:mod:`cluster.core.draft.near_far`), for steps of at most ``predraft_rows`` rows
+        (beyond, no fills): the rows whose bet came true (with probability ``hit_rate``, else the whole block
+        accepted and the bonus guessed) take their cached block if the last fill's answer is in, or when it lands
+        while near drafts (raced, :mod:`cluster.core.draft.race`: near stops at its next round); the rest draft
+        near.  Then this step's fill goes out (k + 1 drafter rounds over ``branches`` per row, on the shared core),
+        answered from the look-ahead (``Speculator.ahead``) when every row came as predicted, else drafted once
+        the core is free (after a miss the speculator drafts the same block beside near, ``NearFarSide._outcome``:
+        no sooner here, where nothing prices its catching up).  Returns when verification starts."""
         s = self.s
-        hit = sum(r.rid in self.bets for r in self.running) if self.answer_at <= t else 0
+        bets, near = sum(r.rid in self.bets for r in self.running), s.drafter(rows, 1)
+        if self.answer_at <= t:
+            hit, t = bets, t + (s.k * s.drafter(rows - bets, 1) if rows > bets else 0.0)
+        elif bets == rows and self.answer_at < t + s.k * near:     # raced: taken once it lands, near stops
+            hit, t = rows, t + near * math.ceil((self.answer_at - t) / near)
+        else:
+            hit, t = 0, t + s.k * near
         self.res.hits += hit
-        t += s.k * s.drafter(rows - hit, 1) if rows > hit else 0.0
-        fill = s.side_work + (s.k + 1) * per_token
-        start = self.answer_at if hit == rows else max(t + s.rtt / 2, self.side_free)
-        self.side_free = start + fill
-        self.answer_at = max(start + fill, t) + s.rtt / 2
         self.predrafted = rows <= s.predraft_rows
+        if self.predrafted:
+            fill = s.side_work + (s.k + 1) * s.drafter(rows * s.branches, 1)
+            start = self.answer_at if hit == rows else max(t + s.rtt / 2, self.side_free)
+            self.side_free = start + fill
+            self.answer_at = max(start + fill, t) + s.rtt / 2
         return t
 
     def end_step(self, t: float, seconds: float) -> None:
@@ -254,7 +260,8 @@ class _Sim:
         bets, got = set(), {}
         for r in self.running:
             a = self.accepted(r.accept) if s.k else 0
-            if self.predrafted and a == s.k and r.guess.random() < s.alpha:
+            if self.predrafted and (r.guess.random() < s.hit_rate if s.hit_rate is not None
+                                    else a == s.k and r.guess.random() < s.alpha):
                 bets.add(r.rid)
             got[r.rid] = min(a + 1, r.left)
         t += self.u.served_token * sum(got.values())          # the tokens handed on before any answer leaves
@@ -286,12 +293,8 @@ def replicate(unit: Unit, strategy: Strategy, clients: int, requests: int, new_t
               seeds: int = 16) -> Result:
     """The cell simulated with seeds 0..seeds-1 and pooled (tokens over seconds of all of them): a served cell
     holds few requests, so one seed's draws of accepted counts move its tok/s by several per cent."""
-    pooled = Result()
-    for seed in range(seeds):
-        r = simulate(unit, strategy, clients, requests, new_tokens, seed)
-        pooled.tokens, pooled.seconds, pooled.requests = (pooled.tokens + r.tokens, pooled.seconds + r.seconds,
-                                                          pooled.requests + r.requests)
-        pooled.steps, pooled.row_steps, pooled.hits = pooled.steps + r.steps, pooled.row_steps + r.row_steps, \
-            pooled.hits + r.hits
-        pooled.step_seconds += r.step_seconds
+    runs = [simulate(unit, strategy, clients, requests, new_tokens, seed) for seed in range(seeds)]
+    pooled = Result(**{f: sum(getattr(r, f) for r in runs) for f in ("tokens", "seconds", "requests", "steps",
+                                                                    "row_steps", "hits")})
+    pooled.step_seconds = [x for r in runs for x in r.step_seconds]
     return pooled

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.bench.simulate import Strategy, Unit, replicate
+from cluster.core.draft.cache import FanOut
 from cluster.core.draft.near_far import NearFarSide
+from cluster.core.draft.programs import DRAFTS
 from cluster.core.forward_cost import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import forward_cost_grid, measure_costs
@@ -40,6 +42,7 @@ ROWS = (1, 2, 4, 8, 16)
 REPEATS = 3                                          # passes per run; the fastest is kept
 BATCHES = (16, 32)                                   # requests run together for the per-step overhead's points
 K = 4
+BRANCHES = 2         # the speculator's branches per row and fill: served at c = 1 its fan-out held 1.3-1.7
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Measured:
     alpha: float = 0.0
     overhead: tuple[tuple[float, float], ...] = ()  # (rows, seconds) points
     step_ms: dict = field(default_factory=dict)      # rows -> measured ms per step in-process
+    cache_hits: float | None = None                  # the speculation cache's share of steps, every answer in time
 
     def overhead_at(self, rows: float) -> float:
         pts = sorted(self.overhead)
@@ -94,7 +98,8 @@ class Inputs:
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
                         draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
-                        accepted=m.accepted, separated=sep, speculator=far,
+                        accepted=m.accepted, separated=sep, speculator=far, hit_rate=m.cache_hits if far else None,
+                        branches=BRANCHES,
                         rtt=RTT_S["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0,
                         predraft=sep and cost is not None,
                         predraft_rows=NearFarSide.MAX_ROWS if far else Strategy.predraft_rows,
@@ -153,8 +158,30 @@ def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, ba
     return m
 
 
-def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batches=BATCHES) -> Inputs:
-    """Everything the simulator needs about this machine, measured now through ``engine``."""
+def measure_cache(far, m: Measured, prompts, max_new: int) -> Measured:
+    """``m.cache_hits``: the share of steps the speculation cache served, ``m`` run greedy on ``prompts`` one at a
+    time through ``far`` (an in-process engine over the speculator topology's near-far side whose speculator answers
+    every fill before the next step: :func:`cluster.local.build_engine` with ``speculator=True``).  The served
+    cache serves fewer: some answers come late (the simulation has them come when the core it shares is free).
+    :data:`BRANCHES` branches per fill, as the simulation prices a fill (the served fan-out adapts; 0.47 of steps
+    hit here with one branch, 0.62 with two, 0.80 with the whole fan-out).  Hits taken at a step's start only: here
+    the block a miss step sends before near drafts (``then``) is drafted at once and always wins the race
+    (:mod:`cluster.core.draft.race`); served, only when near is slower."""
+    side = far.models[DRAFTS]
+    c, fanout, side.fanout = side.counters, side.fanout, FanOut(rows=BRANCHES, min_rows=BRANCHES, max_rows=BRANCHES)
+    hits, steps = sum(c.hits.values()) - c.raced, c.steps
+    try:
+        _run(far, m, prompts, max_new, False)
+    finally:
+        side.fanout = fanout
+    m.cache_hits = (sum(c.hits.values()) - c.raced - hits) / max(1, c.steps - steps)
+    return m
+
+
+def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], batches=BATCHES,
+                   far=None) -> Inputs:
+    """Everything the simulator needs about this machine, measured now through ``engine`` (and ``far``: the
+    speculation cache's hits, :func:`measure_cache`, for the rows the speculator topology drafts far)."""
     neural = sorted({o.get("drafter") for _, (s, o) in specs.items() if o.get("drafter")})
     passes = [measure_costs(engine.models, cfg.target, neural, rows=ROWS, new_tokens=(1, K + 1), iters=3)
               for _ in range(REPEATS)]
@@ -170,6 +197,8 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
         m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
         inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, sizes))
+        if far is not None and m.drafter in inp.drafters and strategy != "cs_drafting":
+            measure_cache(far, m, prompts, max_new)
     return inp
 
 

@@ -12,8 +12,9 @@ then the production-70b projection (issue 32 item 5).
    what the check is about; tok/s: also the batching, and the drift between the served run and this one).
    Rows the load-aware planner plans are simulated at their strategy's fixed k and not counted ("planned"):
    their k moves with the planner, which the simulation does not model.  The ``speculator`` topology's neural
-   drafting is simulated with its cache (:meth:`cluster.bench.simulate._Sim.speculate`); its Max-Gram and CS
-   Drafting rows draft near, as colocated.
+   drafting is simulated with its cache (:meth:`cluster.bench.simulate._Sim.speculate`), whose share of steps
+   with every answer in time is measured in-process (:func:`cluster.bench.simulate_inputs.measure_cache`); the
+   table puts the simulated hits beside the served run's; its Max-Gram and CS Drafting rows draft near.
    Without ``--measured`` the simulated cells of ``--concurrency`` (default 1,4,16) are printed unchecked.
 3. **The projection** of ``configs/production-70b.yaml`` (:mod:`cluster.bench.projection`, cited inputs) at
    batch 1, 4, 16, 32.
@@ -91,7 +92,7 @@ def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
                             measured_ratio=meas_ratio, simulated_ratio=round(ratio, 3) if ratio else None,
                             ratio_error_pct=e_ratio, sim_step_ms=round(res.step_ms, 2),
                             sim_tokens_per_step=round(res.tokens_per_row_step, 2),
-                            sim_predraft_hits=round(res.hit_rate, 2),
+                            sim_predraft_hits=round(res.hit_rate, 2), measured_cache_hits=r.get("cache_hit_share"),
                             ratio_within_10pct="reference" if m.k == 0 else "planned" if planned else _within(e_ratio),
                             tok_s_within_10pct="fitted" if fitted else "planned" if planned else _within(e_tok)))
     return out
@@ -110,6 +111,7 @@ def _input_rows(inp) -> list[dict]:
                          ms=" / ".join(f"{1e3 * o:.3f}" for _, o in m.overhead),
                          accepted_of_k=" ".join(f"{a:.3f}" for a in m.accepted) if m.accepted else None,
                          alpha=round(m.alpha, 3) if m.k else None,
+                         cache_hits_in_time=None if m.cache_hits is None else round(m.cache_hits, 3),
                          in_process_step_ms=" / ".join(f"{v}" for v in m.step_ms.values())))
     return rows
 
@@ -127,7 +129,10 @@ def run(args, cfg) -> int:
     named = {r["strategy"] for r in measured} if measured else set(ROWS)
     wanted = ["autoregressive"] + sorted(named - {"autoregressive"})
     wanted = servable(engine, specs, [r for r in wanted if r in specs])
-    inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted})
+    far = None                      # the speculation cache's hits with every answer in time, for the speculator's cells
+    if measured and any(r["topology"] == "speculator" for r in measured):
+        far = build_engine(replace(cfg, engine=replace(cfg.engine, plain_from_batch=None)), speculator=True)
+    inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted}, far=far)
     out = Path(args.out)
     inputs = _input_rows(inp)
     print_table(inputs, f"simulate: inputs measured in-process now ({cfg.source}; {n} prompts x {max_new} tokens)")

@@ -1,6 +1,7 @@
 """The served-step simulation (cluster.bench.simulate): literal cases whose answers follow from the inputs."""
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -50,17 +51,36 @@ def test_predrafting_is_never_slower_than_synchronous(alpha, clients, rtt):
         assert pre.hits == 0
 
 
-def test_a_speculator_in_time_takes_drafting_off_every_step_but_the_first_and_a_late_one_none():
+def test_a_speculator_in_time_takes_drafting_off_every_step_but_the_first_and_a_late_one_is_raced_or_none():
     """Every bet right (alpha 1): the first step drafts near (4 x 1 ms) and verifies (5 ms) while the speculator's
     fill (5 rounds of 1 ms) is answered by its end; every later step takes its block from the cache and is answered
-    from the look-ahead.  A speculator twice as slow as the verification is never in time: colocated speed."""
+    from the look-ahead.  A speculator twice as slow as the verification lands while near drafts: raced, near
+    stops at its next round.  One whose answers take 20 ms to travel never lands in time: near drafting's speed."""
     fast = Strategy("s", k=4, drafter=DRAFTER, alpha=1.0, speculator=True)
     res = simulate(Unit(TARGET), fast, 1, 1, 50)
     assert (res.steps, res.hits) == (10, 9) and res.seconds == pytest.approx(0.009 + 9 * 0.005)
     slow_drafter = ForwardCost({(1, 1): 0.002, (16, 1): 0.004})
     late = simulate(Unit(TARGET), Strategy("s", k=4, drafter=slow_drafter, alpha=1.0, speculator=True), 1, 1, 50)
     near = simulate(Unit(TARGET), Strategy("s", k=4, drafter=slow_drafter, alpha=1.0), 1, 1, 50)
-    assert late.hits == 0 and late.seconds == pytest.approx(near.seconds) == pytest.approx(10 * 0.013)
+    assert near.seconds == pytest.approx(10 * 0.013) and late.hits == 9
+    assert late.step_seconds[1] == pytest.approx(0.011) and late.seconds < near.seconds   # 3 near rounds, then 2
+    far = simulate(Unit(TARGET), replace(fast, rtt=0.04), 1, 1, 50)
+    assert far.hits == 0 and far.seconds == pytest.approx(10 * 0.009)
+
+
+def test_a_speculators_bets_come_true_at_its_hit_rate_and_only_steps_of_its_rows_are_speculated():
+    """``hit_rate`` decides the bets, not the accepted counts: with every draft rejected and a hit rate of 1 every
+    step after the first takes its block (5 ms steps), with 0 none (near drafts: 9 ms).  Steps of more rows than
+    ``predraft_rows`` send no fill: two clients then cost exactly near drafting."""
+    s = Strategy("s", k=4, drafter=DRAFTER, accepted=(1.0, 0, 0, 0, 0), speculator=True, hit_rate=1.0)
+    res = simulate(Unit(TARGET), s, 1, 1, 10)
+    assert (res.steps, res.hits) == (10, 9) and res.seconds == pytest.approx(0.009 + 9 * 0.005)
+    none = simulate(Unit(TARGET), replace(s, hit_rate=0.0), 1, 1, 10)
+    assert none.hits == 0 and none.seconds == pytest.approx(10 * 0.009)
+    two = simulate(Unit(TARGET), replace(s, predraft_rows=1), 2, 2, 10)
+    near = simulate(Unit(TARGET), replace(s, speculator=False), 2, 2, 10)
+    assert two.hits == 0 and two.seconds == pytest.approx(near.seconds)
+    assert simulate(Unit(TARGET), replace(s, predraft_rows=2), 2, 2, 10).hits > 0
 
 
 def test_from_plain_from_rows_up_a_step_decodes_plainly():
@@ -138,12 +158,16 @@ def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other
                       1.3 if s == "default" else 1.0)
                 for t in ("separated", "colocated") for c in (1, 2) for s in ("autoregressive", "default")]
     measured.append(dict(topology="separated", mode="streamed", strategy="default", concurrency=1, tok_s=1.0))
+    measured += [_cell("speculator", "autoregressive", 1, 20.0, 1.0),
+                 dict(_cell("speculator", "default", 1, 26.0, 1.3), cache_hit_share=0.5)]
     path = tmp_path / "bench_served.json"
     path.write_text(json.dumps(measured))
     args = argparse.Namespace(prompts="2", max_new_tokens="8", temperature="0", out=str(tmp_path), measured=str(path))
     assert SUITES["simulate"](args, cfg) == 0
     table = json.loads((tmp_path / "simulate_calibration.json").read_text())
-    assert len(table) == 8                                   # the unary cells only
+    assert len(table) == 10                                  # the unary cells only
+    far = next(r for r in table if r["topology"] == "speculator" and r["strategy"] == "default")
+    assert far["measured_cache_hits"] == 0.5 and 0 <= far["sim_predraft_hits"] <= 1
     for r in table:
         fitted = r["strategy"] == "autoregressive"          # at c = 1 and at the largest c, here 2
         assert r["tok_s_within_10pct"] == ("fitted" if fitted else "yes" if abs(r["tok_s_error_pct"]) <= 10 else "NO")
@@ -156,6 +180,8 @@ def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other
     assert {r["batch"] for r in projection} == {1, 4, 16, 32}
     inputs = json.loads((tmp_path / "simulate_inputs.json").read_text())
     assert any(r["what"].startswith("target forward, 1 rows x 5 tokens") and r["ms"] > 0 for r in inputs)
+    # the cache's share of steps with every answer in time, measured in-process for the speculator's cells
+    assert 0 <= next(r["cache_hits_in_time"] for r in inputs if r["what"].startswith("default:")) <= 1
 
 
 def test_a_measured_table_without_its_reference_cell_is_refused(tmp_path):
