@@ -4,6 +4,8 @@
   :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows
   x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts'
   mean length;
+* the machine's speed: against a served run, every cost is scaled by how much slower its own in-process
+  autoregressive cell ran than this suite's (:meth:`Inputs.at_speed`);
 * acceptance: a short greedy run of each strategy, alone and batched, whose per-step accepted counts
   (``RequestStats.accepted_hist``) the simulator replays, and whose accepted / drafted share is the bonus-guess
   rate;
@@ -59,6 +61,7 @@ class Measured:
     overhead: tuple[tuple[float, float], ...] = ()  # (rows, seconds) points
     step_ms: dict = field(default_factory=dict)      # rows -> measured ms per step in-process
     cache_hits: float | None = None                  # the speculation cache's share of steps, every answer in time
+    alone_tok_s: float = 0.0                         # one request at a time, prefill included
 
     def overhead_at(self, rows: float) -> float:
         pts = sorted(self.overhead)
@@ -78,21 +81,30 @@ class Inputs:
     prompt_len: int
     max_batch: int
     plain_from: int | None = None                    # the config's engine.plain_from_batch (measured without it)
+    speed: float = 1.0                               # every in-process cost x this (:meth:`at_speed`)
+
+    def at_speed(self, then_tok_s: float | None) -> None:
+        """Scale every cost to the machine's speed during a served run whose own in-process autoregressive cell
+        read ``then_tok_s`` (the same prompts, one at a time): a slower machine then made every forward of that
+        run dearer, which the served step fitted on autoregressive would otherwise absorb as served work."""
+        ar = next((m for m in self.strategies if m.k == 0 and m.alone_tok_s), None)
+        self.speed = ar.alone_tok_s / then_tok_s if ar and then_tok_s else 1.0
 
     def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
         clients share -- with the draft actor in the separated topology, the speculator in its own; ``served``:
         (a, b) of the served step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
-        return Unit(self.target, prefill=lambda r: self.prefill(r, self.prompt_len), max_batch=self.max_batch,
-                    shared_core=topology in ("separated", "speculator"), served_step=served[0],
-                    served_token=served[1])
+        x = self.speed
+        return Unit(_scaled(self.target, x), prefill=lambda r: x * self.prefill(r, self.prompt_len),
+                    max_batch=self.max_batch, shared_core=topology in ("separated", "speculator"),
+                    served_step=served[0], served_token=served[1])
 
     def strategy(self, m: Measured, topology: str) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
         neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process; speculator drafts
         a neural drafter's misses in-process beside the speculator's fills (``Strategy.speculator``), the rest as
         colocated; fixed-k rows decode plainly from ``plain_from`` rows up."""
-        cost, pre = self.drafters.get(m.drafter, (None, None))
+        cost, pre = (_scaled(f, self.speed) for f in self.drafters.get(m.drafter, (None, None)))
         sep = topology == "separated" and m.k > 0
         far = topology == "speculator" and m.k > 0 and cost is not None and m.strategy != "cs_drafting"
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
@@ -103,9 +115,15 @@ class Inputs:
                         rtt=RTT_S["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0,
                         predraft=sep and cost is not None,
                         predraft_rows=NearFarSide.MAX_ROWS if far else Strategy.predraft_rows,
-                        overhead=m.overhead_at,
+                        overhead=_scaled(m.overhead_at, self.speed),
                         plain_from=self.plain_from if m.k and m.options.get("plan", "fixed") == "fixed" else None,
-                        plain_overhead=next((a.overhead_at for a in self.strategies if a.k == 0), None))
+                        plain_overhead=next((_scaled(a.overhead_at, self.speed) for a in self.strategies if a.k == 0),
+                                            None))
+
+
+def _scaled(f, x: float):
+    """``f`` with its seconds times ``x`` (None stays None)."""
+    return f if f is None or x == 1.0 else lambda *args: x * f(*args)
 
 
 def _forwards(inp_target, drafter, k: int, rows: float) -> float:
@@ -144,6 +162,7 @@ def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, ba
             wall -= inp.prefill(len(group), inp.prompt_len)
         else:
             n_steps, rows = sum(steps), 1.0
+            m.alone_tok_s = sum(len(r.token_ids) for r in out) / wall
             wall -= len(group) * inp.prefill(1, inp.prompt_len)
         per_step = wall / n_steps
         m.step_ms[round(rows, 1)] = round(1e3 * per_step, 3)

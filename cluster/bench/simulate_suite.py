@@ -67,6 +67,8 @@ def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
     autoregressive."""
     by = {m.name: m for m in inp.strategies}
     ar = {(r["topology"], r["concurrency"]): r for r in measured if r["strategy"] == "autoregressive"}
+    inp.at_speed(next((r["in_process_tok_s"] for (_, c), r in ar.items() if c == 1 and r.get("in_process_tok_s")),
+                      None))
     out, sim_ar = [], {}
     for topology in dict.fromkeys(r["topology"] for r in measured):
         if (topology, 1) not in ar:
@@ -149,7 +151,8 @@ def run(args, cfg) -> int:
     counts = {key: (sum(r.get(key) == "yes" for r in table), sum(r.get(key) in ("yes", "NO") for r in table))
               for key in ("ratio_within_10pct", "tok_s_within_10pct")}
     (ratio_ok, ratio_n), (tok_ok, tok_n) = counts.values()
-    print_table(table, f"simulate: calibration against {getattr(args, 'measured', None) or '(nothing)'}; "
+    print_table(table, f"simulate: calibration against {getattr(args, 'measured', None) or '(nothing)'} "
+                       f"(in-process costs x {inp.speed:.3f}: the machine's speed then, by its in-process cell); "
                        f"served step fitted on autoregressive at c=1 and the largest c; within 10 %: ratio to "
                        f"autoregressive "
                        f"{ratio_ok}/{ratio_n} drafting cells, tok/s {tok_ok}/{tok_n} cells")

@@ -205,3 +205,20 @@ def test_without_a_measured_table_the_cells_are_simulated_unchecked(tmp_path, ca
     assert "autoregressive" in strategies and "default" in strategies      # tiny serves no Max-Gram drafter
     assert {(r["topology"], r["c"]) for r in table} == {(t, c) for t in ("separated", "colocated") for c in (1, 2)}
     assert all(r["ratio_within_10pct"] == "unchecked" and r["simulated_tok_s"] > 0 for r in table)
+
+
+def test_inputs_are_scaled_to_the_machines_speed_during_the_served_run():
+    """A served run whose own in-process autoregressive cell read half this suite's tok/s ran on a machine twice
+    as slow: every in-process cost (the target, prefill, the drafter, the engine's work) is simulated twice as
+    dear; without that cell, as measured."""
+    from cluster.bench.simulate_inputs import Inputs, Measured
+    ar = Measured("autoregressive", "autoregressive", {}, alone_tok_s=200.0, overhead=((1.0, 0.001),))
+    spec = Measured("default", "speculative", {"k": 4}, k=4, drafter="d", overhead=((1.0, 0.002),))
+    inp = Inputs(TARGET, TARGET, {"d": (DRAFTER, TARGET)}, [ar, spec], 8, 32)
+    inp.at_speed(None)
+    assert inp.speed == 1.0 and inp.unit().target(1, 5) == pytest.approx(0.005)
+    inp.at_speed(100.0)
+    s = inp.strategy(spec, "colocated")
+    assert inp.speed == 2.0 and inp.unit().target(1, 5) == pytest.approx(0.010)
+    assert s.drafter(1, 1) == pytest.approx(0.002) and s.overhead(1) == pytest.approx(0.004)
+    assert s.plain_overhead(1) == pytest.approx(0.002) and inp.unit().prefill(1) == pytest.approx(2 * TARGET(1, 8))
