@@ -123,7 +123,8 @@ def run(args, cfg) -> int:
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     measured = load_measured(args.measured) if getattr(args, "measured", None) else None
     # measured speculating at every batch size: the simulation decodes plainly from plain_from_batch rows itself
-    engine = build_engine(replace(cfg, engine=replace(cfg.engine, plain_from_batch=None)))
+    measuring = replace(cfg, engine=replace(cfg.engine, plain_from_batch=None))
+    engine = build_engine(measuring)
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
     specs = row_specs(cfg)
     default = resolve_options(cfg.engine.strategy, {}, dict(cfg.engine.options))    # what a request naming none gets
@@ -133,7 +134,7 @@ def run(args, cfg) -> int:
     wanted = servable(engine, specs, [r for r in wanted if r in specs])
     far = None                      # the speculation cache's hits with every answer in time, for the speculator's cells
     if measured and any(r["topology"] == "speculator" for r in measured):
-        far = build_engine(replace(cfg, engine=replace(cfg.engine, plain_from_batch=None)), speculator=True)
+        far = build_engine(measuring, speculator=True)
     inp = measure_inputs(engine, cfg, prompts, max_new, {r: specs[r] for r in wanted}, far=far)
     out = Path(args.out)
     inputs = _input_rows(inp)

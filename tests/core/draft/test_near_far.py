@@ -193,6 +193,13 @@ def test_a_committed_sequence_sent_before_near_drafts_is_drafted_and_looked_ahea
         [(e.expect, e.block.tokens, e.key) for e in fresh.entries["r"]]
 
 
+def _recorded(side) -> list:
+    """The fills ``side`` sends from now on, in order (each still sent)."""
+    sent, send = [], side.link.send
+    side.link.send = lambda fill: sent.append(fill) or send(fill)
+    return sent
+
+
 def test_a_miss_step_sends_its_committed_sequence_first_for_greedy_requests_only():
     """A greedy miss (no answer awaited) sends a ``then`` fill before near drafts, then the bets on its block; a
     sampled one or an awaited answer sends only the bets; a side backing off sends neither."""
@@ -203,9 +210,7 @@ def test_a_miss_step_sends_its_committed_sequence_first_for_greedy_requests_only
                                          (SamplingParams(0.0), False, True, [])]:
         side = near_far({"d": TabularModel("d", 5, seed=3, rng=Rng(1))}, {"d": TabularModel("d", 5, seed=3)},
                         delay=5, rng=Rng(1))
-        sent = []
-        send = side.link.send
-        side.link.send = lambda fill: sent.append(fill) or send(fill)
+        sent = _recorded(side)
         side.prefill_batch([("r", [0, 1], sampling, 0)])
         side._waiting = ["r"] if waiting else []
         if off:
@@ -223,9 +228,7 @@ def test_as_shipped_only_one_row_steps_are_speculated():
     for rows, fills in [(1, True), (2, False)]:
         side = NearFarSide(DraftSide({"d": TabularModel("d", 5, seed=3)}),
                            LocalLink(Speculator({"d": TabularModel("d", 5, seed=3)})))
-        sent = []
-        send = side.link.send
-        side.link.send = lambda fill: sent.append(fill) or send(fill)
+        sent = _recorded(side)
         rids = [f"r{i}" for i in range(rows)]
         side.prefill_batch([(rid, [0, 1], greedy, 0) for rid in rids])
         blocks = side.draft_batch([(rid, spec, 2, 10) for rid in rids])
