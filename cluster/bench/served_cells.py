@@ -26,7 +26,7 @@ class Rec(Timed):
 @dataclass
 class Cell:
     """One (row, concurrency) measurement; ``runtime`` is ``<topology>/<mode>`` (mode ``unary`` or
-    ``streamed``) or ``in-process``."""
+    ``streamed``) or :func:`in_process` of a topology."""
 
     row: str
     c: int
@@ -117,6 +117,11 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         t.join()
     ends = [r.last for r in recs if r.last is not None]
     return recs, (max(ends) if ends else time.perf_counter()) - t0
+
+
+def in_process(topology: str) -> str:
+    """The runtime name of the in-process cells run beside ``topology``'s served ones."""
+    return f"in-process:{topology}"
 
 
 def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tuple[list[Rec], float]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cluster.bench.projection import project
 from cluster.bench.report import hop_columns, pct, print_table, save_concurrency_plot, write_results
+from cluster.bench.served_cells import in_process
 
 MAX_PRINTED_MISMATCHES = 20
 
@@ -16,7 +17,8 @@ def check_outputs(cells) -> list[tuple]:
     prompt (served cells first, then in-process).  Returns (runtime, row, c, request, prompt, first
     differing position, expected token, got token) per mismatch."""
     ref: dict[int, list[int]] = {}
-    order = sorted(cells.values(), key=lambda cl: (cl.runtime == "in-process", cl.row != "autoregressive", cl.c))
+    order = sorted(cells.values(), key=lambda cl: (cl.runtime.startswith("in-process"), cl.row != "autoregressive",
+                                                   cl.c))
     for cl in order:
         if cl.row == "autoregressive":
             for r in cl.ok:
@@ -54,7 +56,7 @@ def make_table(cells, rows, levels, mismatches, runtimes) -> list[dict]:
                 m = cells.get((runtime, name, c))
                 if m is None:
                     continue
-                ip = cells.get(("in-process", name, c))
+                ip = cells.get((in_process(topology), name, c))
                 ok, fails = m.ok, m.failures()
                 timed = m.streamed and ok
                 table.append({
@@ -124,7 +126,7 @@ def plot(cells, rows, levels, runtimes, path: Path) -> None:
                 ratio = [(c, m.tok_s / ar[c].tok_s) for c, m in pts if ar[c] is not None and ar[c].tok_s]
                 ax2.plot([c for c, _ in ratio], [r for _, r in ratio], style, marker="o", color=colors[name])
         for name in rows:
-            ip = cells.get(("in-process", name, 1))
+            ip = cells.get((in_process(topology), name, 1))
             if ip is not None:
                 ax1.plot([1], [ip.tok_s], "x", color=colors[name], markersize=9)
         ax2.axhline(1.0, linestyle=":", color="gray", linewidth=1)

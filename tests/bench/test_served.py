@@ -1,8 +1,8 @@
 """The served suite end to end on configs/tiny.yaml, run as a user runs it (`specserve bench --suite served`, its
 own process: it starts Ray and Serve itself, every topology in turn, free ports, and a Serve already running in
 this test session's Ray would otherwise be joined): measures through gRPC, unary and streamed, at concurrency 1
-and 2 and in-process at c = 1, writes the CSV/JSON/PNG, the side-by-side summary and the production-70b
-projection, and every greedy output equals autoregressive's, with no failed request."""
+and 2 and in-process at c = 1 beside each topology, writes the CSV/JSON/PNG, the side-by-side summary and the
+production-70b projection, and every greedy output equals autoregressive's, with no failed request."""
 from __future__ import annotations
 
 import json
@@ -61,5 +61,8 @@ def test_served_suite_end_to_end(tmp_path):
     for s in summary:
         assert s["ar_streamed/unary"] > 0 and s["ar_unary_tok_s"] > 0
         assert all(len(s[name].split(" / ")) == 2 for name in ROWS[1:])
-    assert "lossless (greedy)" in printed and "MISMATCH" not in printed
+    served_outputs = sum(r["requests"] for r in rows)
+    in_process = len(TOPOLOGIES) * len(ROWS) * 2           # each c = 1 row in-process beside each topology's cells
+    assert f"lossless (greedy): {served_outputs + in_process}/{served_outputs + in_process} outputs" in printed
+    assert "MISMATCH" not in printed
     assert "projection for configs/production-70b.yaml" in printed
