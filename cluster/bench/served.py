@@ -269,8 +269,7 @@ def collect(args, cfg) -> Results:
     print(f"[bench served: in-process engine built in {time.perf_counter() - t0:.1f}s; rows: {legend}]")
     cells: dict[tuple[str, str, int], Cell] = {}
     started_ray = not ray.is_initialized()
-    n_cells = len(plan.levels) * len(plan.rows) * len(plan.modes) * len(plan.topologies) + \
-        (len(plan.rows) if 1 in plan.levels else 0)
+    n_cells = (len(plan.levels) * len(plan.modes) + (1 in plan.levels)) * len(plan.rows) * len(plan.topologies)
     try:
         if started_ray:
             ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
