@@ -249,7 +249,7 @@ class ClusterSpec:
         verification, Serve's proxy and the clients use; the near drafter keeps drafting in the coordinator (no
         round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md, "Near drafter,
         far speculator").  That bet needs a spare core; on the 2-core development machine it measured level with
-        colocated at one or two clients and ahead from four (configs/local.yaml ships ``auto``)."""
+        colocated at every load, within the cells' noise (configs/local.yaml ships ``auto``)."""
         if self.topology != "auto":
             return self.topology, "named in the config"
         if self.drafters.num_gpus > 0:
