@@ -90,6 +90,11 @@ class Inputs:
         ar = next((m for m in self.strategies if m.k == 0 and m.alone_tok_s), None)
         self.speed = ar.alone_tok_s / then_tok_s if ar and then_tok_s else 1.0
 
+    def drafted_far(self, m: Measured) -> bool:
+        """Whether the speculator topology drafts ``m``'s blocks far: a neural drafter's, not a cascade's (as
+        :meth:`cluster.core.draft.near_far.NearFarSide._worth` decides)."""
+        return m.k > 0 and m.drafter in self.drafters and m.strategy != "cs_drafting"
+
     def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
         clients share -- with the draft actor in the separated topology, the speculator in its own; ``served``:
@@ -106,7 +111,7 @@ class Inputs:
         colocated; fixed-k rows decode plainly from ``plain_from`` rows up."""
         cost, pre = (_scaled(f, self.speed) for f in self.drafters.get(m.drafter, (None, None)))
         sep = topology == "separated" and m.k > 0
-        far = topology == "speculator" and m.k > 0 and cost is not None and m.strategy != "cs_drafting"
+        far = topology == "speculator" and self.drafted_far(m)
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
                         draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
@@ -216,7 +221,7 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
         m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
         inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, sizes))
-        if far is not None and m.drafter in inp.drafters and strategy != "cs_drafting":
+        if far is not None and inp.drafted_far(m):
             measure_cache(far, m, prompts, max_new)
     return inp
 
