@@ -14,7 +14,9 @@
    70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the projection
    (:mod:`cluster.bench.projection`) rerun on those measured costs in place of its cited ones.
 5. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
-   coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.
+   coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.  It
+   needs Ray and Serve where it runs; without them the command says so before measuring anything (docs/cluster.md,
+   "Served on a lent H100": how it ran on an image that had neither).
 
 Without a CUDA device it stops (exit 2) and says so, unless ``--device cpu`` asks for the same procedure on the
 CPU: what the tests run, so that the command works the day a device is lent.  Results: ``gpu_*.{csv,json}``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import time
 from pathlib import Path
 
@@ -134,6 +137,10 @@ def run(args, cfg) -> int:
               "or pass --device cpu to run the same procedure on the CPU")
         return 2
     runtimes = parse_runtimes(getattr(args, "runtime", None) or "in-process,cluster")
+    if "cluster" in runtimes and importlib.util.find_spec("ray") is None:
+        print("bench gpu: the served half (--runtime cluster) needs Ray and Ray Serve, which this Python lacks: "
+              "install ray[serve] (pyproject.toml pins it), or pass --runtime in-process to measure without it")
+        return 2
     n = check_int("prompts", args.prompts, 1, 64)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     cfg = on_device(cfg, device)

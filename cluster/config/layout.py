@@ -5,7 +5,8 @@ drafters and its target group.  Serve replicas scale whole units (``replicas``, 
 
 Topologies (where the drafters run):
   * ``auto`` (default) -- chosen from the hardware by :meth:`ClusterSpec.placement`: ``separated`` where the draft
-    side has a device of its own (``drafters.num_gpus > 0``), ``speculator`` where it would share CPU cores.
+    side has a whole device of its own (``drafters.num_gpus >= 1``), ``speculator`` where it would share CPU
+    cores or the target's device.
   * ``separated`` -- every drafter and the Max-Gram drafter in one draft-group actor behind the draft
     side: one round trip per step for the whole draft block.
   * ``colocated`` -- the drafters inside the coordinator process (small models: no call per draft).
@@ -244,18 +245,23 @@ class ClusterSpec:
 
     def placement(self) -> tuple[str, str]:
         """(``separated``, ``colocated`` or ``speculator``, why): the topology ``auto`` stands for, decided here only.
-        Where the draft side has a device of its own (``drafters.num_gpus > 0``: GPU nodes) drafting in its own
-        actor runs beside verification.  Where it has none, a draft actor on the critical path shares the CPU cores
-        verification, Serve's proxy and the clients use; the near drafter keeps drafting in the coordinator (no
-        round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md, "Near drafter,
-        far speculator").  That bet needs a spare core; on the 2-core development machine it measured level with
-        colocated at every load, within the cells' noise (configs/local.yaml ships ``auto``)."""
+        Where the draft side has a whole device of its own (``drafters.num_gpus >= 1``: GPU nodes) drafting in its
+        own actor runs beside verification.  A fraction of a GPU is no device of its own: Ray may pack the fractions
+        onto one device, where the draft actor's kernels time-share it with the target's -- on one lent H100 with every actor
+        at 0.25 of it, separated served 0.80-1.02x colocated's tok/s at c = 1 in two runs (docs/cluster.md,
+        "Served on a lent H100").  Where it has none, a draft actor on the critical path shares the CPU cores (or
+        the device) verification, Serve's proxy and the clients use; the near drafter keeps drafting in the
+        coordinator (no round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md,
+        "Near drafter, far speculator").  That bet needs a spare core; on the 2-core development machine it
+        measured level with colocated at every load, within the cells' noise (configs/local.yaml ships
+        ``auto``)."""
         if self.topology != "auto":
             return self.topology, "named in the config"
-        if self.drafters.num_gpus > 0:
-            return "separated", "auto: the draft side has a device of its own (drafters.num_gpus > 0)"
-        return "speculator", ("auto: the draft side has no device of its own (drafters.num_gpus = 0): drafters in "
-                              "the coordinator answer misses, a speculator actor drafts ahead on a spare core")
+        if self.drafters.num_gpus >= 1:
+            return "separated", "auto: the draft side has a device of its own (drafters.num_gpus >= 1)"
+        return "speculator", (f"auto: the draft side has no device of its own (drafters.num_gpus = "
+                              f"{self.drafters.num_gpus:g}): drafters in the coordinator answer misses, a "
+                              "speculator actor drafts ahead on a spare core")
 
     def tp_placement(self) -> str:
         """The TP group's placement-group strategy: one node (STRICT_PACK) for GPUs unless asked otherwise."""

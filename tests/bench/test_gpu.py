@@ -33,11 +33,21 @@ def test_without_a_device_it_stops_and_says_so(tmp_path, monkeypatch, capsys):
         gpu.run(_args(tmp_path, device="tpu"), load_config("configs/tiny.yaml"))
 
 
+def test_the_served_half_without_ray_stops_before_measuring(tmp_path, monkeypatch, capsys):
+    """A lent device's image may have torch but not Ray: the served half says what is missing up front."""
+    real = gpu.importlib.util.find_spec
+    monkeypatch.setattr(gpu.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    assert gpu.run(_args(tmp_path, device="cpu", runtime="in-process,cluster"), load_config("configs/tiny.yaml")) == 2
+    out = capsys.readouterr().out
+    assert "needs Ray and Ray Serve" in out and "--runtime in-process" in out and not list(tmp_path.iterdir())
+
+
 def test_on_device_moves_every_model_and_asks_ray_for_a_share_of_the_gpu():
     cfg = load_config("configs/local.yaml")
     moved = gpu.on_device(cfg, "cuda")
     assert {s.device for s in moved.models.values()} == {"cuda"}
     assert moved.cluster.coordinator.num_gpus == moved.cluster.drafters.num_gpus == gpu.GPU_SHARE
+    assert moved.cluster.placement()[0] == "speculator"      # a share of the target's device is not one of its own
     assert gpu.on_device(cfg, "cpu").cluster == cfg.cluster
 
 
