@@ -284,8 +284,8 @@ class NearFarSide(BatchedHandle):
         self._ahead = list(items)
 
     def _known(self) -> list[FillItem]:
-        """Fill items for the requests named by :meth:`ahead` that drafted before (the spec and draft length of
-        their last step are their next step's), at most their budget less the bonus token."""
+        """Fill items for the requests named by :meth:`ahead` that drafted before (their last step's spec and draft
+        length are their next step's), at most their budget less the bonus token, for blocks :meth:`_worth` it."""
         ahead, self._ahead = self._ahead, []
         live = set(self.near.active_requests())
         out = []
@@ -295,6 +295,6 @@ class NearFarSide(BatchedHandle):
             spec, limit = self._last[rid]
             st = self.near.request(rid)
             limit = min(limit, budget - 1)
-            if limit >= 1 and self._speculated(st):
+            if limit >= 1 and self._speculated(st) and self._worth(spec):
                 out.append(FillItem(rid, list(seq), st.sampling, st.seed, spec, [], limit, budget, known=True))
         return out

@@ -236,6 +236,24 @@ def test_as_shipped_only_one_row_steps_are_speculated():
         assert bool([f for f in sent if f.items]) == fills and side.max_rows == NearFarSide.MAX_ROWS == 1
 
 
+def test_the_other_groups_next_blocks_are_asked_for_only_where_worth_drafting_far():
+    """Two groups: the fill asks for the resting rows' next blocks (``KNOWN``), but, as for bets, not for a Max-Gram
+    drafter's blocks (drafted near in a fraction of a millisecond, less than a fill costs)."""
+    from cluster.models.maxgram import MagHandle
+    greedy, neural, mag = SamplingParams(0.0), DraftSpec("propose", ("d",)), DraftSpec("propose", ("mag",))
+    side = NearFarSide(DraftSide({"d": TabularModel("d", 5, seed=3), "mag": MagHandle(5)}),
+                       LocalLink(Speculator({"d": TabularModel("d", 5, seed=3), "mag": MagHandle(5)})),
+                       max_rows=BATCH)
+    side.prefill_batch([(rid, [0, 1], greedy, 0) for rid in ("a", "b", "c")])
+    side.draft_batch([("a", neural, 2, 10), ("b", mag, 2, 10)])           # their last steps' specs
+    side.poll()
+    sent = _recorded(side)
+    side.ahead([("a", [0, 1], 10), ("b", [0, 1], 10)])
+    side.draft_batch([("c", neural, 2, 10)])
+    known = [[it.rid for it in f.items] for f in sent if f.items and not f.items[0].then]   # (then: c's own)
+    assert known == [["a"]] and sent[-1].keys == [KNOWN]
+
+
 def test_a_look_ahead_given_up_keeps_nothing():
     """A look-ahead stopped between drafting rounds keeps no block: the fill it predicted is drafted in full."""
     spec = DraftSpec("propose", ("d",))
