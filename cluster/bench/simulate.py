@@ -210,7 +210,7 @@ class _Sim:
         if s.k and s.separated:                  # one draft call: half the round trip each way
             ready = max(t + s.rtt / 2, self.side_free)
             misses = sum(r.rid not in self.bets for r in self.running)
-            draft = s.side_work + s.k * s.drafter(misses, 1) if s.drafter is not None and misses else 0.0
+            draft = s.side_work + (s.k * s.drafter(misses, 1) if s.drafter is not None else 0.0) if misses else 0.0
             self.res.hits += rows - misses
             leaves = ready + draft
             self.side_free = leaves

@@ -4,18 +4,19 @@
   :func:`cluster.engine.measure.measure_costs` (the target by rows x (1, k + 1) tokens, the drafter by rows
   x 1) and the prompts' prefill by :func:`cluster.engine.measure.forward_cost_grid` at the held-out prompts'
   mean length;
-* the machine's speed: against a served run, every cost is scaled by how much slower its own in-process
-  autoregressive cell ran than this suite's (:meth:`Inputs.at_speed`);
+* the machine's speed: against a served run, every cost is scaled by how much slower the in-process
+  autoregressive cell beside each topology's cells ran than this suite's (:meth:`Inputs.at_speed`);
 * acceptance: a short greedy run of each strategy, alone and batched, whose per-step accepted counts
   (``RequestStats.accepted_hist``) the simulator replays, and whose accepted / drafted share is the bonus-guess
   rate;
 * the engine's own work per step (``overhead(rows)``): that run's wall seconds per step less the forwards the
   cost tables price, at one row (alone) and at the mean rows of batched runs of :data:`BATCHES` requests,
   piecewise linear between them (and beyond the last, along the last segment);
-* the draft call beyond the actor's compute (``rtt``): docs/cluster.md's "Where a served step goes now" table
-  (2.20 ms for a neural drafter, whose pre-draft thread holds the GIL while the reply leaves; 1.60 ms for mag);
-* the draft side's own work per block beyond its k drafter forwards: the same table's 3.68 ms of compute in
-  the actor for a k = 4 call at one row, less k drafter forwards priced now;
+* the draft call beyond the actor's compute (``rtt``), per ``cluster.draft_channel``: a Ray call from
+  docs/cluster.md's "Where a served step goes now" (2.20 ms neural, 1.60 ms mag), the socket from "The draft
+  call's hops, per channel" (0.52 / 0.35 ms); and the draft side's own work per block beyond its k drafter
+  forwards, that table's 3.68 ms of compute for a k = 4 call at one row less k forwards priced now -- both
+  replaced, cell by cell, by the served run's own hops where its table has them (separated cells);
 * the served step's own work, ``a`` seconds per step plus ``b`` per token it emitted (handing tokens to the
   front, waking waiters): the fitted parameters, ``a + b`` from the measured autoregressive served cell at c = 1
   of each topology and ``b`` from its cell at the largest c (:func:`fit_served`).  It was a per-request front
@@ -37,7 +38,9 @@ from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import forward_cost_grid, measure_costs
 from cluster.engine.request import GenerationRequest
 
-RTT_S = {"neural": 2.20e-3, "mag": 1.60e-3}        # docs/cluster.md, "Where a served step goes now"
+# the separated draft call beyond the actor's compute, per cluster.draft_channel (docs/cluster.md: a Ray call,
+# "Where a served step goes now"; a socket, "The draft call's hops, per channel", beyond compute)
+RTT_S = {"ray": {"neural": 2.20e-3, "mag": 1.60e-3}, "socket": {"neural": 0.52e-3, "mag": 0.35e-3}}
 SOCKET_RTT_S = 0.46e-3         # a fill and its answer over a socket: 0.26 + 0.20 ms (ibid., "The draft call's hops")
 ACTOR_DRAFT_S = 3.68e-3                             # ibid.: a k = 4 draft call's compute in the actor, one row
 ROWS = (1, 2, 4, 8, 16)
@@ -82,6 +85,7 @@ class Inputs:
     max_batch: int
     plain_from: int | None = None                    # the config's engine.plain_from_batch (measured without it)
     speed: float = 1.0                               # every in-process cost x this (:meth:`at_speed`)
+    channel: str = "ray"                             # the separated draft call's (cluster.draft_channel)
 
     def at_speed(self, then_tok_s: float | None) -> None:
         """Scale every cost to the machine's speed during a served run whose own in-process autoregressive cell
@@ -101,23 +105,30 @@ class Inputs:
         (a, b) of the served step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
         x = self.speed
         return Unit(_scaled(self.target, x), prefill=lambda r: x * self.prefill(r, self.prompt_len),
-                    max_batch=self.max_batch, shared_core=topology in ("separated", "speculator"),
+                    max_batch=self.max_batch, shared_core=topology.partition("+")[0] in ("separated", "speculator"),
                     served_step=served[0], served_token=served[1])
 
-    def strategy(self, m: Measured, topology: str) -> Strategy:
+    def strategy(self, m: Measured, topology: str, call: tuple[float, float] | None = None, rows: int = 1) -> Strategy:
         """``m`` as served in ``topology``: separated drafts through one call per step (pre-drafting with a
         neural drafter, as ``engine.overlap: auto`` does there); colocated drafts in-process; speculator drafts
         a neural drafter's misses in-process beside the speculator's fills (``Strategy.speculator``), the rest as
-        colocated; fixed-k rows decode plainly from ``plain_from`` rows up."""
+        colocated; fixed-k rows decode plainly from ``plain_from`` rows up.  ``call``: the separated draft call as
+        the served run measured it hop by hop at ``rows`` clients (seconds of the actor's compute on a miss, and
+        beyond its compute), in place of the cited one-row figures: the actor's own work grows with the rows."""
         cost, pre = (_scaled(f, self.speed) for f in self.drafters.get(m.drafter, (None, None)))
+        topology, _, channel = topology.partition("+")        # the served suite's "separated+ray" labels
         sep = topology == "separated" and m.k > 0
         far = topology == "speculator" and self.drafted_far(m)
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
+        rtt = RTT_S[channel or self.channel]["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0
+        if sep and call is not None:     # a cascade's drafting is most of the engine's measured work (5.6 ms a step
+            own = call[0] if m.strategy == "mag" else 0.0    # in-process; Max-Gram's 0.24 ms): the actor's replaces it
+            side_work, rtt = max(0.0, call[0] - m.k * cost(rows, 1)) if cost else own, call[1]
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
                         draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
                         accepted=m.accepted, separated=sep, speculator=far, hit_rate=m.cache_hits if far else None,
                         branches=BRANCHES,
-                        rtt=RTT_S["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0,
+                        rtt=rtt,
                         predraft=sep and cost is not None,
                         predraft_rows=NearFarSide.MAX_ROWS if far else Strategy.predraft_rows,
                         overhead=_scaled(m.overhead_at, self.speed),
@@ -215,7 +226,7 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
                                                       context=1, iters=2)) for _ in range(REPEATS)])
            for n in [cfg.target, *neural]}
     inp = Inputs(costs[cfg.target], pre[cfg.target], {n: (costs[n], pre[n]) for n in neural}, [], plen,
-                 cfg.engine.max_batch, cfg.engine.plain_from_batch)
+                 cfg.engine.max_batch, cfg.engine.plain_from_batch, channel=cfg.cluster.draft_channel)
     sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0

@@ -67,19 +67,23 @@ def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
     autoregressive."""
     by = {m.name: m for m in inp.strategies}
     ar = {(r["topology"], r["concurrency"]): r for r in measured if r["strategy"] == "autoregressive"}
-    inp.at_speed(next((r["in_process_tok_s"] for (_, c), r in ar.items() if c == 1 and r.get("in_process_tok_s")),
-                      None))
+    first = next((r["in_process_tok_s"] for (_, c), r in ar.items() if c == 1 and r.get("in_process_tok_s")), None)
     out, sim_ar = [], {}
     for topology in dict.fromkeys(r["topology"] for r in measured):
         if (topology, 1) not in ar:
             continue
+        # each topology at the machine's speed while it ran, by its own in-process cell (the served suite runs one
+        # beside each topology's c = 1 cells: minutes apart, this host's speed drifts ~10 %); else the first one
+        inp.at_speed(ar[(topology, 1)].get("in_process_tok_s") or first)
         ar_cells = {c: r for (t, c), r in ar.items() if t == topology}
         served = fit_served(inp, ar_cells, max_new, topology)
         cells = sorted((r for r in measured if r["topology"] == topology and r["strategy"] in by),
                        key=lambda r: (r["concurrency"], r["strategy"] != "autoregressive"))
         for r in cells:
             c, m = r["concurrency"], by[r["strategy"]]
-            res = replicate(inp.unit(served, topology), inp.strategy(m, topology), c, r["requests"], max_new)
+            call = (r["miss_compute_ms"] / 1e3, r["beyond_compute_ms"] / 1e3) if r.get("miss_compute_ms") is not None \
+                and r.get("beyond_compute_ms") is not None else None       # the draft call's hops, measured
+            res = replicate(inp.unit(served, topology), inp.strategy(m, topology, call, c), c, r["requests"], max_new)
             if m.k == 0:
                 sim_ar[(topology, c)] = res.tok_s
             base = sim_ar.get((topology, c))
@@ -88,7 +92,7 @@ def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
             fitted = m.k == 0 and c in (1, max(ar_cells))
             planned = m.options.get("plan") == "load_aware"
             e_tok, e_ratio = _err(res.tok_s, r["tok_s"]), _err(ratio, meas_ratio) if ratio else None
-            out.append(dict(topology=topology, c=c, strategy=r["strategy"],
+            out.append(dict(topology=topology, c=c, strategy=r["strategy"], speed=round(inp.speed, 3),
                             served_ms_per_step=round(served[0] * 1e3, 3), served_ms_per_token=round(served[1] * 1e3, 4),
                             measured_tok_s=r["tok_s"], simulated_tok_s=round(res.tok_s, 1), tok_s_error_pct=e_tok,
                             measured_ratio=meas_ratio, simulated_ratio=round(ratio, 3) if ratio else None,
@@ -153,7 +157,7 @@ def run(args, cfg) -> int:
               for key in ("ratio_within_10pct", "tok_s_within_10pct")}
     (ratio_ok, ratio_n), (tok_ok, tok_n) = counts.values()
     print_table(table, f"simulate: calibration against {getattr(args, 'measured', None) or '(nothing)'} "
-                       f"(in-process costs x {inp.speed:.3f}: the machine's speed then, by its in-process cell); "
+                       f"(in-process costs x speed: the machine's speed then, by each topology's in-process cell); "
                        f"served step fitted on autoregressive at c=1 and the largest c; within 10 %: ratio to "
                        f"autoregressive "
                        f"{ratio_ok}/{ratio_n} drafting cells, tok/s {tok_ok}/{tok_n} cells")

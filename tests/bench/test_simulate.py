@@ -222,3 +222,27 @@ def test_inputs_are_scaled_to_the_machines_speed_during_the_served_run():
     assert inp.speed == 2.0 and inp.unit().target(1, 5) == pytest.approx(0.010)
     assert s.drafter(1, 1) == pytest.approx(0.002) and s.overhead(1) == pytest.approx(0.004)
     assert s.plain_overhead(1) == pytest.approx(0.002) and inp.unit().prefill(1) == pytest.approx(2 * TARGET(1, 8))
+
+
+def test_the_separated_draft_call_costs_what_its_channel_measured():
+    """The separated step's round trip beyond the actor's compute follows ``cluster.draft_channel`` (a Ray call or
+    the socket, each as measured hop by hop), or the served suite's ``separated+<channel>`` label where it names one."""
+    from cluster.bench.simulate_inputs import RTT_S, Inputs, Measured
+    spec = Measured("default", "speculative", {"k": 4}, k=4, drafter="d", overhead=((1.0, 0.002),))
+    mag = Measured("mag", "mag", {"k": 3}, k=3, overhead=((1.0, 0.001),))
+    inp = Inputs(TARGET, TARGET, {"d": (DRAFTER, TARGET)}, [spec, mag], 8, 32, channel="socket")
+    assert RTT_S["socket"]["neural"] < RTT_S["ray"]["neural"] and RTT_S["socket"]["mag"] < RTT_S["ray"]["mag"]
+    assert inp.strategy(spec, "separated").rtt == RTT_S["socket"]["neural"]
+    assert inp.strategy(mag, "separated").rtt == RTT_S["socket"]["mag"]
+    assert inp.strategy(spec, "separated+ray").rtt == RTT_S["ray"]["neural"]
+    assert inp.strategy(spec, "separated+ray").separated and inp.unit(topology="separated+ray").shared_core
+    assert inp.strategy(spec, "colocated").rtt == 0.0
+    # the served run's own hops at 2 clients, where it measured them: a miss's compute less the drafter's forwards
+    # is the actor's own work
+    s = inp.strategy(spec, "separated", call=(0.006, 0.0004), rows=2)
+    assert s.rtt == 0.0004 and s.side_work == pytest.approx(0.006 - 4 * DRAFTER(2, 1))
+    s = inp.strategy(mag, "separated", call=(0.0016, 0.0003), rows=2)     # Max-Gram's lookups: on top of it
+    assert s.rtt == 0.0003 and s.side_work == 0.0016
+    cascade = Measured("cs_drafting", "cs_drafting", {}, k=4, overhead=((1.0, 0.005),))
+    assert inp.strategy(cascade, "separated", call=(0.004, 0.0005), rows=1).side_work == 0.0   # replaces it
+    assert inp.strategy(spec, "colocated", call=(0.006, 0.0004), rows=2).rtt == 0.0
