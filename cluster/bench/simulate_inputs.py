@@ -105,7 +105,8 @@ class Inputs:
         (a, b) of the served step's own work, ``a`` seconds per step and ``b`` per token emitted (:func:`fit_served`)."""
         x = self.speed
         return Unit(_scaled(self.target, x), prefill=lambda r: x * self.prefill(r, self.prompt_len),
-                    max_batch=self.max_batch, shared_core=topology.partition("+")[0] in ("separated", "speculator"),
+                    max_batch=self.max_batch,
+                    shared_core=topology.partition("+")[0] in ("separated", "speculator"),
                     served_step=served[0], served_token=served[1])
 
     def strategy(self, m: Measured, topology: str, call: tuple[float, float] | None = None, rows: int = 1) -> Strategy:

@@ -247,9 +247,9 @@ class ClusterSpec:
         """(``separated``, ``colocated`` or ``speculator``, why): the topology ``auto`` stands for, decided here only.
         Where the draft side has a whole device of its own (``drafters.num_gpus >= 1``: GPU nodes) drafting in its
         own actor runs beside verification.  A fraction of a GPU is no device of its own: Ray may pack the fractions
-        onto one device, where the draft actor's kernels time-share it with the target's -- on one lent H100 with every actor
-        at 0.25 of it, separated served 0.80-1.02x colocated's tok/s at c = 1 in two runs (docs/cluster.md,
-        "Served on a lent H100").  Where it has none, a draft actor on the critical path shares the CPU cores (or
+        onto one device, where the draft actor's kernels time-share it with the target's -- on one lent H100 with
+        every actor at 0.25 of it, separated served 0.80-1.02x colocated's tok/s at c = 1 in two runs
+        (docs/cluster.md, "Served on a lent H100").  Where it has none, a draft actor on the critical path shares the CPU cores (or
         the device) verification, Serve's proxy and the clients use; the near drafter keeps drafting in the
         coordinator (no round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md,
         "Near drafter, far speculator").  That bet needs a spare core; on the 2-core development machine it
