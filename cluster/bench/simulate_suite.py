@@ -81,8 +81,8 @@ def calibrate(inp, measured: list[dict], max_new: int) -> list[dict]:
                        key=lambda r: (r["concurrency"], r["strategy"] != "autoregressive"))
         for r in cells:
             c, m = r["concurrency"], by[r["strategy"]]
-            call = (r["miss_compute_ms"] / 1e3, r["beyond_compute_ms"] / 1e3) if r.get("miss_compute_ms") is not None \
-                and r.get("beyond_compute_ms") is not None else None       # the draft call's hops, measured
+            hops = (r.get("miss_compute_ms"), r.get("beyond_compute_ms"))       # the draft call's, measured
+            call = None if None in hops else tuple(ms / 1e3 for ms in hops)
             res = replicate(inp.unit(served, topology), inp.strategy(m, topology, call, c), c, r["requests"], max_new)
             if m.k == 0:
                 sim_ar[(topology, c)] = res.tok_s

@@ -249,11 +249,11 @@ class ClusterSpec:
         own actor runs beside verification.  A fraction of a GPU is no device of its own: Ray may pack the fractions
         onto one device, where the draft actor's kernels time-share it with the target's -- on one lent H100 with
         every actor at 0.25 of it, separated served 0.80-1.02x colocated's tok/s at c = 1 in two runs
-        (docs/cluster.md, "Served on a lent H100").  Where it has none, a draft actor on the critical path shares the CPU cores (or
-        the device) verification, Serve's proxy and the clients use; the near drafter keeps drafting in the
-        coordinator (no round trip on a miss) and a speculator actor drafts ahead on a spare core (docs/cluster.md,
-        "Near drafter, far speculator").  That bet needs a spare core; on the 2-core development machine it
-        measured level with colocated at every load, within the cells' noise (configs/local.yaml ships
+        (docs/cluster.md, "Served on a lent H100").  Where it has none, a draft actor on the critical path shares
+        the CPU cores (or the device) verification, Serve's proxy and the clients use; the near drafter keeps
+        drafting in the coordinator (no round trip on a miss) and a speculator actor drafts ahead on a spare core
+        (docs/cluster.md, "Near drafter, far speculator").  That bet needs a spare core; on the 2-core development
+        machine it measured level with colocated at every load, within the cells' noise (configs/local.yaml ships
         ``auto``)."""
         if self.topology != "auto":
             return self.topology, "named in the config"
