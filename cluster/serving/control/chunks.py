@@ -22,7 +22,7 @@ import asyncio
 import collections
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from cluster.engine.request import StreamChunk
 
@@ -69,10 +69,14 @@ def _wake_all(boxes: list["ChunkBox"]) -> None:
 class ChunkBox:
     """One request's pending items (chunks, then possibly its ended sequence): filled by the step thread,
     emptied by the reader on ``loop``.  Woken through ``delivery`` at the end of the step (or at once without
-    one); a box already waiting for its wake-up is not woken twice."""
+    one); a box already waiting for its wake-up is not woken twice.  ``wake_on``: only items it holds true of
+    wake the reader (the others wait for the next that does); a unary call wakes on its last item only, so its
+    loop does not take the GIL from the step thread once a step (measured: a blocked step-thread wait a step,
+    and the replica's forward ~8 % slower than in-process)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, delivery: StepDelivery | None = None):
-        self.loop, self.delivery = loop, delivery
+    def __init__(self, loop: asyncio.AbstractEventLoop, delivery: StepDelivery | None = None,
+                 wake_on: Callable[[object], bool] | None = None):
+        self.loop, self.delivery, self.wake_on = loop, delivery, wake_on
         self._pending: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._lock = threading.Lock()
@@ -81,6 +85,8 @@ class ChunkBox:
     def put(self, item) -> None:
         """From any thread."""
         self._pending.append(item)
+        if self.wake_on is not None and not self.wake_on(item):
+            return
         with self._lock:
             if self._signalled:
                 return
