@@ -205,3 +205,41 @@ def test_a_cancelled_reader_is_cancelled_even_as_its_chunk_arrives(woken):
             await task
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("last_only,wakeups", [(True, 1), (False, 5)])
+def test_a_box_that_wakes_on_the_last_item_only_is_not_woken_by_the_steps_before_it(last_only, wakeups):
+    """A unary call's box (``wake_on``: the last item) wakes its loop once; a streamed one once a step."""
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            calls.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counting
+        delivery = StepDelivery()
+        last = (lambda item: _is_end(item) or item.finish_reason is not None) if last_only else None
+        box = ChunkBox(loop, delivery, wake_on=last)
+        reader = asyncio.ensure_future(_collect(box, whole=True))
+
+        def step(i):                                  # the step thread: one chunk a step, then the delivery
+            box.put(StreamChunk([i], str(i), "length" if i == 4 else None))
+            if i == 4:
+                box.put(Ended())
+            delivery.deliver()
+
+        for i in range(5):
+            t = threading.Thread(target=step, args=(i,))
+            t.start()
+            t.join()
+            for _ in range(3):                        # the reader takes what woke it before the next step
+                await asyncio.sleep(0)
+        return await reader
+
+    (only,) = asyncio.run(main())
+    assert only.token_ids == [0, 1, 2, 3, 4] and only.finish_reason == "length"
+    assert len(calls) == wakeups

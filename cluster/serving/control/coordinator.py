@@ -145,7 +145,8 @@ class Coordinator:
         iterator (or cancelling the task consuming it) stops the generation at the next step boundary and frees
         its state everywhere."""
         req = self.prepare(req)
-        box = ChunkBox(asyncio.get_running_loop(), self._delivery)
+        last = (lambda item: isinstance(item, Sequence) or item.finish_reason is not None) if whole else None
+        box = ChunkBox(asyncio.get_running_loop(), self._delivery, wake_on=last)
         admitted = time.perf_counter()
         timeline = Timeline(admitted)
 
