@@ -11,7 +11,7 @@ import pytest
 from cluster.config.schema import config_from_dict, load_config
 from cluster.engine.request import GenerationRequest, StreamChunk
 from cluster.errors import ConfigError
-from cluster.serving.control.chunks import ChunkBox, StepDelivery, merge_chunks, paced
+from cluster.serving.control.chunks import ChunkBox, StepDelivery, merge_chunks, paced, wake_rule
 
 
 class Ended:
@@ -207,9 +207,34 @@ def test_a_cancelled_reader_is_cancelled_even_as_its_chunk_arrives(woken):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("last_only,wakeups", [(True, 1), (False, 5)])
-def test_a_box_that_wakes_on_the_last_item_only_is_not_woken_by_the_steps_before_it(last_only, wakeups):
-    """A unary call's box (``wake_on``: the last item) wakes its loop once; a streamed one once a step."""
+def test_the_wake_rule_wakes_for_what_is_sent():
+    unary, stream = wake_rule(True, 4), wake_rule(False, 4)
+    assert [unary(StreamChunk([1], "a")), unary(StreamChunk([], "")), unary(StreamChunk([2], "b", "stop")),
+            unary(Ended())] == [False, False, True, True]
+    sizes = [0, 1, 1, 2, 1, 3, 1, 1, 2]            # tokens a step; wakes: the first with tokens, then at >= 4 since
+    assert [stream(StreamChunk([7] * n, "x")) for n in sizes] == \
+        [False, True, False, False, True, False, True, False, False]
+    assert stream(StreamChunk([], "", "length")) and stream(Ended())
+
+
+def test_a_slow_stream_is_woken_once_its_interval_ms_has_passed():
+    now = [0.0]
+    stream = wake_rule(False, 16, interval_ms=250, clock=lambda: now[0])
+    woken = []
+    for t in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6):     # a token every 100 ms: far fewer than 16 in 250 ms
+        now[0] = t
+        woken.append(stream(StreamChunk([1], "x")))
+    assert woken == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("whole,wake_on,sent,wakeups", [
+    (True, True, [40], 1),                          # a unary call: its loop is woken once, for the last item
+    (True, False, [40], 40),                        # ... where a wake-up a step woke it 40 times
+    (False, True, [1, 16, 16, 7], 4),               # a stream (interval 16): woken for what it sends
+    (False, False, [1, 16, 16, 7], 40),
+])
+def test_a_box_wakes_its_loop_for_what_is_sent_not_every_step(whole, wake_on, sent, wakeups):
+    """40 steps of one token each, the reader running between steps: the chunks sent are the same either way."""
     calls = []
 
     async def main():
@@ -222,17 +247,16 @@ def test_a_box_that_wakes_on_the_last_item_only_is_not_woken_by_the_steps_before
 
         loop.call_soon_threadsafe = counting
         delivery = StepDelivery()
-        last = (lambda item: _is_end(item) or item.finish_reason is not None) if last_only else None
-        box = ChunkBox(loop, delivery, wake_on=last)
-        reader = asyncio.ensure_future(_collect(box, whole=True))
+        box = ChunkBox(loop, delivery, wake_on=wake_rule(whole, 16) if wake_on else None)
+        reader = asyncio.ensure_future(_collect(box, whole=whole, interval_tokens=16))
 
         def step(i):                                  # the step thread: one chunk a step, then the delivery
-            box.put(StreamChunk([i], str(i), "length" if i == 4 else None))
-            if i == 4:
+            box.put(StreamChunk([i], str(i), "length" if i == 39 else None))
+            if i == 39:
                 box.put(Ended())
             delivery.deliver()
 
-        for i in range(5):
+        for i in range(40):
             t = threading.Thread(target=step, args=(i,))
             t.start()
             t.join()
@@ -240,6 +264,7 @@ def test_a_box_that_wakes_on_the_last_item_only_is_not_woken_by_the_steps_before
                 await asyncio.sleep(0)
         return await reader
 
-    (only,) = asyncio.run(main())
-    assert only.token_ids == [0, 1, 2, 3, 4] and only.finish_reason == "length"
+    chunks = asyncio.run(main())
+    assert [len(c.token_ids) for c in chunks] == sent
+    assert [t for c in chunks for t in c.token_ids] == list(range(40)) and chunks[-1].finish_reason == "length"
     assert len(calls) == wakeups

@@ -2,8 +2,7 @@
 
 Measured on this 2-core machine (issue 30), a streamed token cost plain decoding half its throughput at 16-32
 clients: every engine chunk was its own ``call_soon_threadsafe`` wake-up of the replica's loop, its own item
-through Serve's replica generator and proxy, and its own protobuf / SSE event.  Three cuts, all here, and a
-fourth for unary calls:
+through Serve's replica generator and proxy, and its own protobuf / SSE event.  Four cuts, all here:
 
 * **One wake-up per loop per step.**  The step thread only appends a chunk to the request's :class:`ChunkBox`;
   the boxes touched in a step are woken together by :class:`StepDelivery` after the step (one
@@ -13,7 +12,8 @@ fourth for unary calls:
 * **A stream interval** (as vLLM's ``--stream-interval``; :class:`cluster.config.layout.StreamSpec`): after the
   first chunk with tokens, which is never held, chunks are held until they carry ``interval_tokens`` tokens or
   ``interval_ms`` has passed since the last one sent, or the request ends.
-* **Unary calls wake once.**  A unary call's box wakes its loop only for its last item (``wake_on``), not once
+* **Wake-ups only for what is sent** (:func:`wake_rule`).  A unary call's box wakes its loop only for its last
+  item, a stream's for its first chunk with tokens, each ``interval_tokens`` tokens and its last item, not once
   a step: the loop's Python ran beside every step, contending for the GIL (see :class:`ChunkBox`).
 
 Formatting (protobuf, JSON) happens in the fronts on the event loop, once per sent chunk, never on the step
@@ -64,6 +64,33 @@ class StepDelivery:
                 pass
 
 
+def wake_rule(whole: bool, interval_tokens: int, interval_ms: float | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> Callable[[object], bool]:
+    """The ``wake_on`` of a request's :class:`ChunkBox`: which items wake its reader.  Any item that is not a
+    chunk (the ended sequence) and the chunk with a finish reason always do; otherwise ``whole`` (a unary call):
+    none; a stream: its first chunk with tokens (never held, see :func:`paced`), then the chunk that brings the
+    tokens since the last wake-up to ``interval_tokens``, or the first one put ``interval_ms`` or more after the
+    last wake-up (so a slow stream still sends every ``interval_ms``).  For one box, called from one thread at a
+    time."""
+    since: int | None = None                  # tokens put since the last wake-up (None: none with tokens yet)
+    woke = 0.0                                # when the last wake-up was asked for (``clock``)
+
+    def wake(item) -> bool:
+        nonlocal since, woke
+        if not isinstance(item, StreamChunk) or item.finish_reason is not None:
+            return True
+        if whole or not item.token_ids:
+            return False
+        now = clock()
+        if since is not None and since + len(item.token_ids) < interval_tokens and \
+                (interval_ms is None or (now - woke) * 1e3 < interval_ms):
+            since += len(item.token_ids)
+            return False
+        since, woke = 0, now
+        return True
+    return wake
+
+
 def _wake_all(boxes: list["ChunkBox"]) -> None:
     for box in boxes:
         box.wake()
@@ -73,10 +100,11 @@ class ChunkBox:
     """One request's pending items (chunks, then possibly its ended sequence): filled by the step thread,
     emptied by the reader on ``loop``.  Woken through ``delivery`` at the end of the step (or at once without
     one); a box already waiting for its wake-up is not woken twice.  ``wake_on``: only the items it holds true
-    of wake the reader (the others wait for the next one that does).  A unary call wakes on its last item only:
-    its loop's Python then no longer runs beside every step, contending for the GIL (served at c = 1, the
-    replica's engine took 1.04-1.06x the in-process engine's time for a 64-token request with a wake-up a step,
-    1.00x with one a request; requests interleaved one by one, docs/cluster.md, "The Serve path, hop by hop")."""
+    of wake the reader (the others wait for the next one that does; :func:`wake_rule`).  The loop's Python then
+    no longer runs beside every step, contending for the GIL: served at c = 1, the replica's engine took
+    1.04-1.06x the in-process engine's time for a 64-token unary request with a wake-up a step and 1.00x with
+    one a request; a stream 1.03-1.07x and 1.02-1.03x (requests interleaved one by one, docs/cluster.md,
+    "The Serve path, hop by hop")."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delivery: StepDelivery | None = None,
                  wake_on: Callable[[object], bool] | None = None):

@@ -32,7 +32,7 @@ from cluster.engine.request import (
     StreamChunk,
 )
 from cluster.engine.sequence import WAITING, Sequence
-from cluster.serving.control.chunks import ChunkBox, StepDelivery, paced
+from cluster.serving.control.chunks import ChunkBox, StepDelivery, paced, wake_rule
 from cluster.serving.ops.metrics import Timeline
 from cluster.serving.control.unit import build_unit
 from cluster.strategies import REGISTRY
@@ -145,8 +145,9 @@ class Coordinator:
         iterator (or cancelling the task consuming it) stops the generation at the next step boundary and frees
         its state everywhere."""
         req = self.prepare(req)
-        last = (lambda item: isinstance(item, Sequence) or item.finish_reason is not None) if whole else None
-        box = ChunkBox(asyncio.get_running_loop(), self._delivery, wake_on=last)
+        pace = self.cfg.cluster.stream
+        box = ChunkBox(asyncio.get_running_loop(), self._delivery,
+                       wake_on=wake_rule(whole, pace.interval_tokens, pace.interval_ms))
         admitted = time.perf_counter()
         timeline = Timeline(admitted)
 
@@ -166,7 +167,6 @@ class Coordinator:
         else:                                       # joined in a step that began meanwhile
             timeline.scheduled = time.perf_counter()
         self._notify()
-        pace = self.cfg.cluster.stream
         try:
             async for chunk in paced(box, lambda item: isinstance(item, Sequence), whole=whole,
                                      interval_tokens=pace.interval_tokens, interval_ms=pace.interval_ms):
