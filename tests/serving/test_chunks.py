@@ -31,6 +31,24 @@ def _engine_chunks(engine, n=12, logprobs=2) -> list[StreamChunk]:
     return list(engine.stream(req))
 
 
+def _count_wake_ups(loop, calls: list) -> None:
+    """Append each ``call_soon_threadsafe`` callback of ``loop`` to ``calls`` (one wake-up each)."""
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args):
+        calls.append(cb)
+        return real(cb, *args)
+
+    loop.call_soon_threadsafe = counting
+
+
+def _on_a_thread(fn, *args) -> None:
+    """Run ``fn(*args)`` on a thread of its own (as the step thread would) and wait for it."""
+    t = threading.Thread(target=fn, args=args)
+    t.start()
+    t.join()
+
+
 async def _collect(box, **kw) -> list[StreamChunk]:
     return [c async for c in paced(box, _is_end, **kw)]
 
@@ -137,13 +155,7 @@ def test_one_wake_up_per_loop_per_step():
 
     async def main():
         loop = asyncio.get_running_loop()
-        real = loop.call_soon_threadsafe
-
-        def counting(cb, *args):
-            calls.append(cb)
-            return real(cb, *args)
-
-        loop.call_soon_threadsafe = counting
+        _count_wake_ups(loop, calls)
         delivery = StepDelivery()
         boxes = [ChunkBox(loop, delivery) for _ in range(8)]
 
@@ -153,9 +165,7 @@ def test_one_wake_up_per_loop_per_step():
             delivery.deliver()
 
         for i in range(3):                            # three steps before any reader runs
-            t = threading.Thread(target=step, args=(i,))
-            t.start()
-            t.join()
+            _on_a_thread(step, i)
         return [await b.take() for b in boxes]
 
     taken = asyncio.run(main())
@@ -239,13 +249,7 @@ def test_a_box_wakes_its_loop_for_what_is_sent_not_every_step(whole, wake_on, se
 
     async def main():
         loop = asyncio.get_running_loop()
-        real = loop.call_soon_threadsafe
-
-        def counting(cb, *args):
-            calls.append(cb)
-            return real(cb, *args)
-
-        loop.call_soon_threadsafe = counting
+        _count_wake_ups(loop, calls)
         delivery = StepDelivery()
         box = ChunkBox(loop, delivery, wake_on=wake_rule(whole, 16) if wake_on else None)
         reader = asyncio.ensure_future(_collect(box, whole=whole, interval_tokens=16))
@@ -257,9 +261,7 @@ def test_a_box_wakes_its_loop_for_what_is_sent_not_every_step(whole, wake_on, se
             delivery.deliver()
 
         for i in range(40):
-            t = threading.Thread(target=step, args=(i,))
-            t.start()
-            t.join()
+            _on_a_thread(step, i)
             for _ in range(3):                        # the reader takes what woke it before the next step
                 await asyncio.sleep(0)
         return await reader
