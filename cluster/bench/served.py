@@ -28,8 +28,9 @@ wait and compute, reply hop, pre-draft hit share; in the ``speculator`` topology
 :func:`cluster.bench.report.cache_columns`: hit share by branch kind, late answers, wasted draft tokens, fan-out,
 the coordinator's ms per all-hit draft call), read from the replica after each cell.  At ``c = 1`` each row also
 runs in-process (:func:`cluster.local.build_engine`, ``engine.generate`` on the same prompts and token
-counts) right after its served cells, in every topology, for the ``cluster_vs_in_process`` column: the two are
-seconds apart, not the minutes between topologies over which this shared machine's speed drifts.  Every greedy
+counts), in every topology, for the ``cluster_vs_in_process`` column: request by request, each served request of
+the first mode's cell followed by the same request in-process, and both cells' seconds the sum of their
+requests' (this shared machine's speed drifts within a cell: blocks of requests moved the ratio 5-10 %).  Every greedy
 output, served and in-process, is checked against autoregressive's for the same prompt; any mismatch is printed
 and makes the exit code 1.  Prints the whole table and the side-by-side summary (one line per topology and ``c``);
 writes ``bench_served.{csv,json,png}`` and ``bench_served_summary.{csv,json}`` to ``--out``.
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from cluster.bench.load import parse_concurrency
-from cluster.bench.served_cells import Cell, in_process, in_process_cell, served_cell
+from cluster.bench.served_cells import Cell, in_process, in_process_cell, pair_with, request_seconds, served_cell
 from cluster.bench.served_report import report
 from cluster.config.layout import DRAFT_CHANNELS
 from cluster.engine.request import GenerationRequest
@@ -178,7 +179,7 @@ def _draft_timing(scfg) -> dict | None:
 
 def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, start: float) -> int:
     """Serve ``cfg`` in the topology ``label`` names (``separated+socket``: with that draft channel), run its cells
-    (and each c = 1 row in-process right after its served cells); returns how many cells the time limit left out.
+    (each c = 1 row in-process too, paired request by request); returns how many cells the time limit left out.
     Serve is shut down before returning, whatever happens."""
     from ray import serve
     topology, _, channel = label.partition("+")
@@ -209,18 +210,19 @@ def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, st
                     if time.perf_counter() - start > plan.time_limit:
                         skipped += 1
                         continue
-                    bar.set_postfix_str(f"{label} c={c} {name} {mode}")
+                    paired = c == 1 and mode == plan.modes[0]      # each request then in-process, one by one
+                    bar.set_postfix_str(f"{label} c={c} {name} {mode}" + (" + in-process" if paired else ""))
+                    local: list = []
+                    after = pair_with(engine, plan.prompts, plan.max_new, strategy, opts, local) if paired else None
                     _draft_timing(scfg)                  # reset: the cell's draft calls only
                     recs, secs = served_cell(client, plan.prompts, n, c, plan.max_new, strategy, opts,
-                                             stream=mode == "streamed")
+                                             stream=mode == "streamed", after=after)
                     cells[(f"{label}/{mode}", name, c)] = Cell(name, c, f"{label}/{mode}", recs, secs,
                                                                _draft_timing(scfg))
-                    bar.update()
-                if c == 1 and time.perf_counter() - start <= plan.time_limit:   # in-process, same prompts, seconds
-                    bar.set_postfix_str(f"c=1 {name} in-process")             # after (a paired reference)
-                    recs, secs = in_process_cell(engine, plan.prompts, n, plan.max_new, strategy, opts)
-                    cells[(in_process(label), name, 1)] = Cell(name, 1, in_process(label), recs, secs)
-                    bar.update()
+                    if paired:
+                        cells[(in_process(label), name, 1)] = Cell(name, 1, in_process(label), local,
+                                                                   request_seconds(local))
+                    bar.update(1 + paired)
     finally:
         if client is not None:
             client.close()

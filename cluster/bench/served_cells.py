@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from cluster.bench.report import Timed
 from cluster.core.sampling import SamplingParams
@@ -60,11 +61,19 @@ class Cell:
 
 
 def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, strategy, opts,
-                first_seed: int = 0, stream: bool = True) -> tuple[list[Rec], float]:
+                first_seed: int = 0, stream: bool = True,
+                after: Callable[[int], None] | None = None) -> tuple[list[Rec], float]:
     """Closed loop: ``c`` threads, each sending its next request (streaming, or unary with ``stream=False``)
     as soon as the last one ended, until ``n`` requests were sent (request j: prompt j mod len(prompts)).
-    Returns the records in request order and the wall seconds from the first submit to the last end."""
+    Returns the records in request order and the wall seconds from the first submit to the last end.
+
+    ``after(j)`` (c = 1 only) runs once request j has ended and before the next is sent -- the same request
+    in-process (:func:`in_process_request`), so that the two runtimes alternate request by request and this
+    shared machine's drift affects both alike; the seconds returned are then the sum of the requests' own."""
     import grpc
+
+    if after is not None and c != 1:
+        raise ValueError(f"served_cell: after= pairs requests one by one, so c must be 1 (got c={c})")
 
     recs: list[Rec | None] = [None] * n
     nxt = iter(range(n))
@@ -107,6 +116,8 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
             if j is None:
                 return
             one(j)
+            if after is not None:
+                after(j)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_loop, daemon=True, name=f"bench-served-{i}")
@@ -115,8 +126,15 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         t.start()
     for t in threads:
         t.join()
+    if after is not None:
+        return recs, request_seconds(recs)
     ends = [r.last for r in recs if r.last is not None]
     return recs, (max(ends) if ends else time.perf_counter()) - t0
+
+
+def request_seconds(recs: list[Rec]) -> float:
+    """The requests' own times, summed (submit to last chunk)."""
+    return sum(r.last - r.submit for r in recs if r.last is not None)
 
 
 def in_process(topology: str) -> str:
@@ -126,19 +144,26 @@ def in_process(topology: str) -> str:
 
 def in_process_cell(engine, prompts, n: int, max_new: int, strategy, opts) -> tuple[list[Rec], float]:
     """The same ``n`` requests one after another on the in-process engine (c = 1)."""
-    recs, total = [], 0.0
-    for j in range(n):
-        rec = Rec(time.perf_counter(), prompt=j % len(prompts))
-        try:
-            res = engine.generate(greedy_request(prompts[rec.prompt], max_new, strategy, opts, j))
-            rec.token_ids = list(res.token_ids)
-        except ParamError as e:
-            rec.error = type(e).__name__
-        rec.last = time.perf_counter()
-        rec.first = rec.first or rec.last
-        total += rec.last - rec.submit
-        recs.append(rec)
-    return recs, total
+    recs = [in_process_request(engine, prompts, j, max_new, strategy, opts) for j in range(n)]
+    return recs, request_seconds(recs)
+
+
+def pair_with(engine, prompts, max_new: int, strategy, opts, into: list) -> Callable[[int], None]:
+    """:func:`served_cell`'s ``after``: request j in-process, its record appended to ``into``."""
+    return lambda j: into.append(in_process_request(engine, prompts, j, max_new, strategy, opts))
+
+
+def in_process_request(engine, prompts, j: int, max_new: int, strategy, opts) -> Rec:
+    """Request j of a cell (prompt j mod len(prompts), seed j) on the in-process engine."""
+    rec = Rec(time.perf_counter(), prompt=j % len(prompts))
+    try:
+        res = engine.generate(greedy_request(prompts[rec.prompt], max_new, strategy, opts, j))
+        rec.token_ids = list(res.token_ids)
+    except ParamError as e:
+        rec.error = type(e).__name__
+    rec.last = time.perf_counter()
+    rec.first = rec.first or rec.last
+    return rec
 
 
 def greedy_request(ids, max_new, strategy, opts, seed) -> GenerationRequest:

@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.bench import SUITES, served
+import pytest
+
+from cluster.bench import SUITES, served, served_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,3 +68,29 @@ def test_served_suite_end_to_end(tmp_path):
     assert f"lossless (greedy): {served_outputs + in_process}/{served_outputs + in_process} outputs" in printed
     assert "MISMATCH" not in printed
     assert "projection for configs/production-70b.yaml" in printed
+
+
+class _Client:
+    """A unary client that logs each request it answers (one token: the prompt's first id)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def generate(self, prompt_ids, seed, **_):
+        self.log.append(("served", seed))
+        return type("Result", (), {"token_ids": [prompt_ids[0]]})()
+
+
+def test_paired_cell_alternates_served_and_in_process_requests():
+    """``after`` runs each request's in-process twin before the next served request, and the cell's seconds are
+    then the requests' own, summed (not first submit to last end, which would count the in-process time)."""
+    log = []
+    prompts = [[7], [8], [9]]
+    recs, secs = served_cells.served_cell(_Client(log), prompts, 4, 1, 1, "autoregressive", {}, stream=False,
+                                          after=lambda j: log.append(("in-process", j)))
+    assert log == [(kind, j) for j in range(4) for kind in ("served", "in-process")]
+    assert [r.token_ids for r in recs] == [[7], [8], [9], [7]]
+    assert secs == sum(r.last - r.submit for r in recs) <= recs[-1].last - recs[0].submit
+    with pytest.raises(ValueError, match="c must be 1"):
+        served_cells.served_cell(_Client(log), prompts, 4, 2, 1, "autoregressive", {}, stream=False,
+                                 after=lambda j: None)
