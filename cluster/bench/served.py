@@ -47,7 +47,7 @@ from tqdm import tqdm
 from cluster.bench.load import parse_concurrency
 from cluster.bench.served_cells import Cell, in_process, in_process_cell, pair_with, request_seconds, served_cell
 from cluster.bench.served_report import report
-from cluster.config.layout import DRAFT_CHANNELS
+from cluster.config.layout import DRAFT_CHANNELS, split_label, topology_label
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
@@ -182,7 +182,7 @@ def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, st
     (each c = 1 row in-process too, paired request by request); returns how many cells the time limit left out.
     Serve is shut down before returning, whatever happens."""
     from ray import serve
-    topology, _, channel = label.partition("+")
+    topology, channel = split_label(label)
     scfg = served_config(cfg, topology)
     if channel:
         scfg = dataclasses.replace(scfg, cluster=dataclasses.replace(scfg.cluster, draft_channel=channel))
@@ -251,8 +251,7 @@ def _plan(args, cfg, engine) -> Plan:
     topologies = parse_choices("topologies", getattr(args, "topologies", None) or ",".join(TOPOLOGIES), TOPOLOGIES)
     if getattr(args, "channels", None):      # the separated unit once per draft channel: separated+ray, ...
         channels = parse_choices("channels", args.channels, DRAFT_CHANNELS)
-        topologies = [f"{t}+{ch}" for t in topologies for ch in (channels if t == "separated" else [""])]
-        topologies = [t.rstrip("+") for t in topologies]
+        topologies = [topology_label(t, ch) for t in topologies for ch in (channels if t == "separated" else [""])]
     wanted = parse_strategies(getattr(args, "strategies", None) or ",".join(ROWS))
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n_prompts)]
     rows = servable(engine, row_specs(cfg), wanted)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.bench.simulate import Strategy, Unit, replicate
+from cluster.config.layout import split_label
 from cluster.core.draft.cache import FanOut
 from cluster.core.draft.near_far import NearFarSide
 from cluster.core.draft.programs import DRAFTS
@@ -106,7 +107,7 @@ class Inputs:
         x = self.speed
         return Unit(_scaled(self.target, x), prefill=lambda r: x * self.prefill(r, self.prompt_len),
                     max_batch=self.max_batch,
-                    shared_core=topology.partition("+")[0] in ("separated", "speculator"),
+                    shared_core=split_label(topology)[0] in ("separated", "speculator"),
                     served_step=served[0], served_token=served[1])
 
     def strategy(self, m: Measured, topology: str, call: tuple[float, float] | None = None, rows: int = 1) -> Strategy:
@@ -117,7 +118,7 @@ class Inputs:
         the served run measured it hop by hop at ``rows`` clients (seconds of the actor's compute on a miss, and
         beyond its compute), in place of the cited one-row figures: the actor's own work grows with the rows."""
         cost, pre = (_scaled(f, self.speed) for f in self.drafters.get(m.drafter, (None, None)))
-        topology, _, channel = topology.partition("+")        # the served suite's "separated+ray" labels
+        topology, channel = split_label(topology)              # the served suite's "separated+ray" labels
         sep = topology == "separated" and m.k > 0
         far = topology == "speculator" and self.drafted_far(m)
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0

@@ -35,6 +35,17 @@ TARGET_PLACEMENTS = ("coordinator", "actor")
 DRAFT_CHANNELS = ("ray", "socket")
 
 
+def topology_label(topology: str, channel: str = "") -> str:
+    """A measured unit's name, ``separated+socket`` where a draft channel is named (the benches' tables)."""
+    return f"{topology}+{channel}" if channel else topology
+
+
+def split_label(label: str) -> tuple[str, str]:
+    """(topology, draft channel or "") of a :func:`topology_label`."""
+    topology, _, channel = label.partition("+")
+    return topology, channel
+
+
 BACKENDS = ("auto", "gloo", "nccl")
 # Ray placement-group strategies for the TP ranks; auto = STRICT_PACK (one node) with GPUs, PACK on CPU
 TP_STRATEGIES = ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")

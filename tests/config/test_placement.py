@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.config.layout import split_label, topology_label
 from cluster.config.schema import config_from_dict
 from cluster.errors import ConfigError
 from cluster.serving.ops.deploy import deployment_options
@@ -48,3 +49,11 @@ def test_bad_placement_names_field(section, words):
         _cfg(**section)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("topology,channel,label", [("separated", "socket", "separated+socket"),
+                                                    ("separated", "ray", "separated+ray"),
+                                                    ("colocated", "", "colocated"), ("speculator", "", "speculator")])
+def test_topology_labels_name_the_draft_channel_only_where_one_is_given(topology, channel, label):
+    assert topology_label(topology, channel) == label
+    assert split_label(label) == (topology, channel)
