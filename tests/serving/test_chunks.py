@@ -11,7 +11,7 @@ import pytest
 from cluster.config.schema import config_from_dict, load_config
 from cluster.engine.request import GenerationRequest, StreamChunk
 from cluster.errors import ConfigError
-from cluster.serving.control.chunks import ChunkBox, StepDelivery, merge_chunks, paced, wake_rule
+from cluster.serving.control.chunks import ChunkBox, StepDelivery, due, merge_chunks, paced, wake_rule
 
 
 class Ended:
@@ -270,3 +270,13 @@ def test_a_box_wakes_its_loop_for_what_is_sent_not_every_step(whole, wake_on, se
     assert [len(c.token_ids) for c in chunks] == sent
     assert [t for c in chunks for t in c.token_ids] == list(range(40)) and chunks[-1].finish_reason == "length"
     assert len(calls) == wakeups
+
+
+@pytest.mark.parametrize("tokens,first,elapsed_s,expected", [
+    (1, True, 0.0, True), (0, True, 9.0, False),              # the first tokens never wait; no tokens: nothing to send
+    (3, False, 0.0, False), (4, False, 0.0, True),            # interval_tokens = 4
+    (1, False, 0.049, False), (1, False, 0.05, True),         # interval_ms = 50
+])
+def test_due_is_the_one_rule_both_sides_apply(tokens, first, elapsed_s, expected):
+    assert due(tokens, first, elapsed_s, 4, 50.0) is expected
+    assert due(tokens, first, 1e9, 4, None) is (tokens > 0 if first else tokens >= 4)     # no time limit

@@ -81,14 +81,23 @@ def wake_rule(whole: bool, interval_tokens: int, interval_ms: float | None = Non
             return True
         if whole or not item.token_ids:
             return False
-        now = clock()
-        if since is not None and since + len(item.token_ids) < interval_tokens and \
-                (interval_ms is None or (now - woke) * 1e3 < interval_ms):
-            since += len(item.token_ids)
+        now, tokens = clock(), (since or 0) + len(item.token_ids)
+        if not due(tokens, since is None, now - woke, interval_tokens, interval_ms):
+            since = tokens
             return False
         since, woke = 0, now
         return True
     return wake
+
+
+def due(tokens: int, first: bool, elapsed_s: float, interval_tokens: int, interval_ms: float | None) -> bool:
+    """Whether ``tokens`` not yet sent (or not yet woken for) go now, ``elapsed_s`` after the last send (wake-up):
+    the first ones (``first``) never wait; later ones once ``interval_tokens`` of them are in, or ``interval_ms``
+    has passed.  One rule for both sides of a box: :func:`wake_rule` (the step thread) and :func:`paced` (the
+    reader), so the reader is woken exactly when it would send."""
+    if first:
+        return tokens > 0
+    return tokens >= interval_tokens or (interval_ms is not None and elapsed_s * 1e3 >= interval_ms)
 
 
 def _wake_all(boxes: list["ChunkBox"]) -> None:
@@ -192,10 +201,5 @@ async def paced(box: ChunkBox, is_end, *, interval_tokens: int = 1, interval_ms:
 
 
 def _due(held, last_sent, interval_tokens, interval_ms, whole) -> bool:
-    if whole:
-        return False
-    if last_sent is None:                     # the first chunk with tokens is never held back
-        return held_tokens(held) > 0
-    if held_tokens(held) >= interval_tokens:
-        return True
-    return interval_ms is not None and (time.perf_counter() - last_sent) * 1e3 >= interval_ms
+    elapsed = 0.0 if last_sent is None else time.perf_counter() - last_sent
+    return not whole and due(held_tokens(held), last_sent is None, elapsed, interval_tokens, interval_ms)
