@@ -168,7 +168,10 @@ def measure_strategy(engine, inp: Inputs, m: Measured, prompts, max_new: int, ba
     for batched, group in runs_of:
         runs = [_run(engine, m, group, max_new, batched) for _ in range(REPEATS)]
         out, wall = min(runs, key=lambda run: run[1])         # the least disturbed pass on a shared machine
-        steps = [max(1, r.stats.steps if m.k else r.stats.target_forwards) for r in out]
+        # every step after the prompt's forward, plain ones too (``stats.steps`` counts only those that drafted: the
+        # planner's k = 0, plain_from_batch and a last one-token step left them out, and 16 plain rows read 0.7 s a
+        # step); autoregressive's prompt forward emits its first token, as the simulation's first step does
+        steps = [max(1, r.stats.target_forwards - (1 if m.k else 0)) for r in out]
         for r in out:
             hist += [0] * (len(r.stats.accepted_hist) - len(hist))
             for n, count in enumerate(r.stats.accepted_hist):

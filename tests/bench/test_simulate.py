@@ -246,3 +246,28 @@ def test_the_separated_draft_call_costs_what_its_channel_measured():
     cascade = Measured("cs_drafting", "cs_drafting", {}, k=4, overhead=((1.0, 0.005),))
     assert inp.strategy(cascade, "separated", call=(0.004, 0.0005), rows=1).side_work == 0.0   # replaces it
     assert inp.strategy(spec, "colocated", call=(0.006, 0.0004), rows=2).rtt == 0.0
+
+
+def test_a_rows_engine_work_is_spread_over_every_step_after_the_prompt_plain_ones_too(monkeypatch):
+    """A load-aware request that drafted on 10 of its 32 steps (the planner chose k = 0 on the rest; ``stats.steps``
+    counts only the 10) took 0.1 s: 0.1 / 32 s a step, not 0.1 / 10 -- which read 0.7 s a step for 16 plain rows."""
+    import cluster.bench.simulate_inputs as si
+    clock = [0.0]
+    monkeypatch.setattr(si.time, "perf_counter", lambda: clock[0])
+
+    class Stats:
+        steps, target_forwards = 10, 33                  # the prompt's forward + 10 drafting + 22 plain steps
+        accepted_hist, drafted_tokens, accepted_tokens = [4, 2, 1, 1, 2], 40, 14
+
+    class Engine:
+        def generate(self, req):
+            clock[0] += 0.1 if req.max_new_tokens == 64 else 0.0       # the untimed warm-up costs nothing
+            return type("Result", (), {"stats": Stats, "token_ids": [1] * req.max_new_tokens})()
+
+    zero = ForwardCost({(1, 1): 0.0, (16, 1): 0.0})
+    inp = si.Inputs(TARGET, zero, {}, [], 8, 32)
+    m = si.measure_strategy(Engine(), inp, si.Measured("la", "mag", {"k": 4, "plan": "load_aware"}, k=4),
+                            [[5] * 8, [6] * 8], 64, ())
+    assert m.step_ms == {1.0: pytest.approx(1e3 * 0.1 / 32)}
+    assert m.overhead[0][1] == pytest.approx(0.1 / 32 - TARGET(1, 5))
+    assert m.accepted == tuple(h / 10 for h in Stats.accepted_hist) and m.alpha == 14 / 40
