@@ -75,3 +75,15 @@ def project(inputs: dict | None = None, batches=BATCHES, seeds: int = 8) -> list
                              tokens_per_step=round(r.tokens_per_row_step, 2), tok_s_per_stream=round(per_stream, 1),
                              vs_autoregressive=round(per_stream / base, 2), predraft_hits=round(r.hit_rate, 2)))
     return rows
+
+
+def believed(within: int | None = None, checked: int | None = None) -> str:
+    """What the projection is worth, for its title: checked against this machine's served table first (``within``
+    of ``checked`` drafting ratios within 10 %, ``--suite simulate --measured``), or not checked at all."""
+    if checked is None:
+        return ("unchecked: `specserve bench --suite simulate --measured <a served run's bench_served.json>` "
+                "checks the simulation first")
+    if checked and within == checked:
+        return f"calibrated: all {checked} drafting ratios within 10 % of this machine's served table"
+    return (f"NOT calibrated: {within} of {checked} drafting ratios within 10 % of this machine's served table, "
+            f"so read it as the simulation's arithmetic on the cited inputs, not a forecast")

@@ -83,8 +83,10 @@ class Row:
         return d
 
 
-def print_table(rows: list[dict], title: str = "", file=sys.stdout) -> None:
-    """A plain-text table of dicts (columns: union of keys, in first-seen order)."""
+def print_table(rows: list[dict], title: str = "", file=None) -> None:
+    """A plain-text table of dicts (columns: union of keys, in first-seen order), to ``file`` or the standard output
+    of the moment (looked up when called, so that a redirected or captured one gets it)."""
+    file = file or sys.stdout
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]

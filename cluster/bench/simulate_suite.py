@@ -27,7 +27,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.bench.projection import project
+from cluster.bench.projection import believed, project
 from cluster.bench.report import print_table, write_results
 from cluster.bench.served import row_specs, servable
 from cluster.bench.simulate import replicate
@@ -164,7 +164,8 @@ def run(args, cfg) -> int:
     write_results(table, out, "simulate_calibration")
     proj = project()
     print_table(proj, "simulate: projection for configs/production-70b.yaml (TP=8, drafters on their own GPU; "
-                      "inputs in cluster/bench/projection.py: forward costs measured on a lent H200, the rest cited)")
+                      "inputs in cluster/bench/projection.py: forward costs measured on a lent H200, the rest cited) "
+                      f"-- {believed(ratio_ok, ratio_n) if getattr(args, 'measured', None) else believed()}")
     write_results(proj, out, "simulate_projection")
     print(f"results written to {out}/simulate_{{inputs,calibration,projection}}.{{csv,json}}")
     return 0

@@ -7,6 +7,7 @@ import pytest
 
 from cluster.bench import SUITES
 from cluster.bench.simulate import Strategy, Unit, simulate
+from cluster.bench.projection import believed
 from cluster.bench.simulate_suite import load_measured
 from cluster.config.schema import load_config
 from cluster.errors import ParamError
@@ -149,7 +150,7 @@ def _cell(topology, strategy, c, tok_s, ratio):
                 tok_s=tok_s, vs_autoregressive=ratio)
 
 
-def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other_cell(tmp_path):
+def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other_cell(tmp_path, capsys):
     cfg = load_config("configs/tiny.yaml")
     ensure_built(cfg, progress=False)
     # 20 tok/s per client, 0.9x linear at two: the served step's fit has room both ways (exactly linear would need
@@ -178,6 +179,9 @@ def test_the_suite_fits_the_served_step_on_autoregressive_and_checks_every_other
             assert r["served_ms_per_step"] > 0 and r["served_ms_per_token"] >= 0
     projection = json.loads((tmp_path / "simulate_projection.json").read_text())
     assert {r["batch"] for r in projection} == {1, 4, 16, 32}
+    drafting = [r for r in table if r["ratio_within_10pct"] in ("yes", "NO")]
+    within = sum(r["ratio_within_10pct"] == "yes" for r in drafting)
+    assert believed(within, len(drafting)) in capsys.readouterr().out      # the projection says what it is worth
     inputs = json.loads((tmp_path / "simulate_inputs.json").read_text())
     assert any(r["what"].startswith("target forward, 1 rows x 5 tokens") and r["ms"] > 0 for r in inputs)
     # the cache's share of steps with every answer in time, measured in-process for the speculator's cells
@@ -199,7 +203,8 @@ def test_without_a_measured_table_the_cells_are_simulated_unchecked(tmp_path, ca
     args = argparse.Namespace(prompts="2", max_new_tokens="6", temperature="0", out=str(tmp_path), measured=None,
                               concurrency="1,2")
     assert SUITES["simulate"](args, cfg) == 0
-    assert "no --measured served table" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no --measured served table" in printed and believed() in printed
     table = json.loads((tmp_path / "simulate_calibration.json").read_text())
     strategies = {r["strategy"] for r in table}
     assert "autoregressive" in strategies and "default" in strategies      # tiny serves no Max-Gram drafter
@@ -271,3 +276,9 @@ def test_a_rows_engine_work_is_spread_over_every_step_after_the_prompt_plain_one
     assert m.step_ms == {1.0: pytest.approx(1e3 * 0.1 / 32)}
     assert m.overhead[0][1] == pytest.approx(0.1 / 32 - TARGET(1, 5))
     assert m.accepted == tuple(h / 10 for h in Stats.accepted_hist) and m.alpha == 14 / 40
+
+
+def test_the_projection_is_believed_only_when_every_drafting_ratio_was_within_10_percent():
+    assert believed(72, 72).startswith("calibrated: all 72")
+    assert believed(47, 72).startswith("NOT calibrated: 47 of 72") and "not a forecast" in believed(47, 72)
+    assert believed(0, 0).startswith("NOT calibrated") and believed().startswith("unchecked")
