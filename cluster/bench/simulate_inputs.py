@@ -38,6 +38,7 @@ from cluster.core.forward_cost import ForwardCost
 from cluster.core.sampling import SamplingParams
 from cluster.engine.measure import forward_cost_grid, measure_costs
 from cluster.engine.request import GenerationRequest
+from cluster.strategies import REGISTRY, resolve_options
 
 # the separated draft call beyond the actor's compute, per cluster.draft_channel (docs/cluster.md: a Ray call,
 # "Where a served step goes now"; a socket, "The draft call's hops, per channel", beyond compute)
@@ -60,6 +61,7 @@ class Measured:
     options: dict
     k: int = 0
     drafter: str | None = None                       # a neural drafter's name; None: none or free
+    draft: str | None = None                         # what drafts (:func:`draft_kind`): neural, free or cascade
     accepted: tuple[float, ...] | None = None
     alpha: float = 0.0
     overhead: tuple[tuple[float, float], ...] = ()  # (rows, seconds) points
@@ -98,7 +100,7 @@ class Inputs:
     def drafted_far(self, m: Measured) -> bool:
         """Whether the speculator topology drafts ``m``'s blocks far: a neural drafter's, not a cascade's (as
         :meth:`cluster.core.draft.near_far.NearFarSide._worth` decides)."""
-        return m.k > 0 and m.drafter in self.drafters and m.strategy != "cs_drafting"
+        return m.k > 0 and m.draft == "neural" and m.drafter in self.drafters
 
     def unit(self, served: tuple[float, float] = (0.0, 0.0), topology: str = "colocated") -> Unit:
         """This machine's unit: two cores, the coordinator's and one that Serve's proxy, its replica and the
@@ -124,7 +126,7 @@ class Inputs:
         side_work = max(0.0, ACTOR_DRAFT_S - m.k * cost(1, 1)) if sep and cost else 0.0
         rtt = RTT_S[channel or self.channel]["neural" if cost else "mag"] if sep else SOCKET_RTT_S if far else 0.0
         if sep and call is not None:     # a cascade's drafting is most of the engine's measured work (5.6 ms a step
-            own = call[0] if m.strategy == "mag" else 0.0    # in-process; Max-Gram's 0.24 ms): the actor's replaces it
+            own = call[0] if m.draft == "free" else 0.0      # in-process; Max-Gram's 0.24 ms): the actor's replaces it
             side_work, rtt = max(0.0, call[0] - m.k * cost(rows, 1)) if cost else own, call[1]
         return Strategy(m.name, k=m.k, drafter=cost, side_work=side_work,
                         draft_prefill=(lambda r: pre(r, self.prompt_len)) if pre else None, alpha=m.alpha,
@@ -235,11 +237,23 @@ def measure_inputs(engine, cfg, prompts, max_new: int, specs: dict[str, tuple], 
     sizes = tuple(sorted({min(b, cfg.engine.max_batch) for b in batches}))
     for name, (strategy, opts) in specs.items():
         k = int(opts.get("k", K)) if strategy != "autoregressive" else 0
-        m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None)
+        m = Measured(name, strategy, opts, k=k, drafter=opts.get("drafter") if k else None,
+                     draft=draft_kind(engine, cfg.target, strategy, opts) if k else None)
         inp.strategies.append(measure_strategy(engine, inp, m, prompts, max_new, sizes))
         if far is not None and inp.drafted_far(m):
             measure_cache(far, m, prompts, max_new)
     return inp
+
+
+def draft_kind(engine, target: str, strategy: str, opts: dict) -> str | None:
+    """What drafts for ``strategy``: ``cascade`` (CS Drafting's program), ``free`` (deterministic drafters only: the
+    Max-Gram drafter), ``neural``, or None (no draft program), read from the strategy's own draft spec."""
+    spec = getattr(REGISTRY[strategy](resolve_options(strategy, opts, {}), engine.models, target), "spec", None)
+    if spec is None:
+        return None
+    if spec.kind == "cascade":
+        return "cascade"
+    return "free" if all(getattr(engine.models.get(n), "deterministic", False) for n in spec.drafters) else "neural"
 
 
 def _fastest(tables: list[ForwardCost]) -> ForwardCost:

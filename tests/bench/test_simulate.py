@@ -233,8 +233,8 @@ def test_the_separated_draft_call_costs_what_its_channel_measured():
     """The separated step's round trip beyond the actor's compute follows ``cluster.draft_channel`` (a Ray call or
     the socket, each as measured hop by hop), or the served suite's ``separated+<channel>`` label where it names one."""
     from cluster.bench.simulate_inputs import RTT_S, Inputs, Measured
-    spec = Measured("default", "speculative", {"k": 4}, k=4, drafter="d", overhead=((1.0, 0.002),))
-    mag = Measured("mag", "mag", {"k": 3}, k=3, overhead=((1.0, 0.001),))
+    spec = Measured("default", "speculative", {"k": 4}, k=4, drafter="d", draft="neural", overhead=((1.0, 0.002),))
+    mag = Measured("mag", "mag", {"k": 3}, k=3, draft="free", overhead=((1.0, 0.001),))
     inp = Inputs(TARGET, TARGET, {"d": (DRAFTER, TARGET)}, [spec, mag], 8, 32, channel="socket")
     assert RTT_S["socket"]["neural"] < RTT_S["ray"]["neural"] and RTT_S["socket"]["mag"] < RTT_S["ray"]["mag"]
     assert inp.strategy(spec, "separated").rtt == RTT_S["socket"]["neural"]
@@ -248,7 +248,7 @@ def test_the_separated_draft_call_costs_what_its_channel_measured():
     assert s.rtt == 0.0004 and s.side_work == pytest.approx(0.006 - 4 * DRAFTER(2, 1))
     s = inp.strategy(mag, "separated", call=(0.0016, 0.0003), rows=2)     # Max-Gram's lookups: on top of it
     assert s.rtt == 0.0003 and s.side_work == 0.0016
-    cascade = Measured("cs_drafting", "cs_drafting", {}, k=4, overhead=((1.0, 0.005),))
+    cascade = Measured("cs_drafting", "cs_drafting", {}, k=4, draft="cascade", overhead=((1.0, 0.005),))
     assert inp.strategy(cascade, "separated", call=(0.004, 0.0005), rows=1).side_work == 0.0   # replaces it
     assert inp.strategy(spec, "colocated", call=(0.006, 0.0004), rows=2).rtt == 0.0
 
@@ -282,3 +282,21 @@ def test_the_projection_is_believed_only_when_every_drafting_ratio_was_within_10
     assert believed(72, 72).startswith("calibrated: all 72")
     assert believed(47, 72).startswith("NOT calibrated: 47 of 72") and "not a forecast" in believed(47, 72)
     assert believed(0, 0).startswith("NOT calibrated") and believed().startswith("unchecked")
+
+
+def test_what_drafts_is_read_from_the_strategys_draft_spec_not_its_name():
+    """The simulator prices a row's drafting (far in the speculator topology; the actor's lookups on top of the
+    engine's work where separated) by what its strategy's draft program is made of."""
+    from types import SimpleNamespace
+    from cluster.bench.simulate_inputs import Inputs, Measured, draft_kind
+    handle = lambda deterministic: SimpleNamespace(deterministic=deterministic, proposes=True, max_length=64)
+    engine = SimpleNamespace(models={"t": handle(False), "big": handle(False), "small": handle(False),
+                                     "mg": handle(True)})
+    assert draft_kind(engine, "t", "speculative", {"drafter": "big"}) == "neural"
+    assert draft_kind(engine, "t", "mag", {}) == "free"                    # found by capability, not by name
+    assert draft_kind(engine, "t", "cs_drafting", {"drafters": "big,mg"}) == "cascade"
+    assert draft_kind(engine, "t", "autoregressive", {}) is None
+    inp = Inputs(TARGET, TARGET, {"big": (DRAFTER, TARGET)}, [], 8, 32)
+    far = [inp.drafted_far(Measured(n, s, {}, k=4, drafter="big", draft=d))
+           for n, s, d in (("default", "speculative", "neural"), ("cs", "cs_drafting", "cascade"))]
+    assert far == [True, False]
