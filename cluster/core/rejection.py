@@ -1,0 +1,315 @@
+"""The batched sampler: every row of a step sampled and verified in one call, on the logits' device.
+
+One call per verification round covers the whole batch (vLLM's ``RejectionSampler`` is the model; the code is
+ours).  Shapes (B rows, K the longest draft of the round, V the vocabulary):
+
+  logits    [B, K+1, V]  the target's raw logits; row b's positions 0..L_b are its verification rows
+  draft     [B, K]       long, the drafted tokens x_1..x_{L_b}, padded past L_b
+  lengths   [B]          long, L_b (0: a plain decoding step, only the bonus token is drawn)
+  q         [B, K, V]    the distributions the drafts were drawn from (None: every draft deterministic)
+  det       [B]          bool, row b's drafts are deterministic (one-hot q: Max-Gram, a prediction, greedy)
+
+and it returns, per row:
+
+* **accepted** tokens: the prefix of the draft the verifier keeps;
+* the **recovered** token: drawn from the residual norm(max(0, p_i - q_i)) at the first rejected position
+  (token verification; Leviathan et al. 2023, *Fast Inference from Transformers via Speculative Decoding*,
+  Alg. 1; Chen et al. 2023, Alg. 2), or from norm(max(w_tau p_tau - q_tau, 0)) (block verification; Sun et al.,
+  *Block Verification Accelerates Speculative Decoding*, Alg. 3);
+* the **bonus** token: drawn from p_{L+1} when the whole draft is accepted.
+
+A greedy row is an argmax comparison and materialises no probability row.  Sampled rows use the per-row
+temperature / top-k / top-p as tensors (:class:`RowSampling`), in the logits' dtype: float32 on the device in
+serving, float64 in the exact-enumeration tests (one code path, two dtypes).  Every random draw goes through a
+:class:`Draws`: :class:`CounterDraws` computes each uniform from (seed, step start, offset, purpose) on the device
+(a request is reproducible from any step, whatever its batch), :class:`RngDraws` hands each draw to a per-row
+random source (the enumeration tests' branching one).  The per-row code of :mod:`cluster.core.verify` and
+:mod:`cluster.core.block_verify` is this module's test oracle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.core.sampling import SamplingParams
+
+ACCEPT, FINAL, DRAFT = 1, 2, 3       # the purposes of a draw (part of its counter)
+
+
+# -- per-row sampling settings as tensors -------------------------------------------------------------
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings ``[B]`` on a device, with the host-side facts that pick the code path."""
+
+    temperature: torch.Tensor    # [B] float, 1 where greedy (never divides by 0)
+    top_k: torch.Tensor          # [B] long, V where off
+    top_p: torch.Tensor          # [B] float, 1 where off
+    greedy: torch.Tensor         # [B] bool
+    n_greedy: int                # host: how many rows are greedy
+    max_top_k: int               # host: the largest top-k in force (0: none)
+    any_top_p: bool              # host: some row filters by top-p
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int, device, dtype=torch.float32) -> "RowSampling":
+        greedy = [p.greedy for p in params]
+        ks = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
+        ps = [p.top_p if not p.greedy else 1.0 for p in params]
+        return cls(torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=dtype,
+                                device=device),
+                   torch.tensor(ks, dtype=torch.long, device=device),
+                   torch.tensor(ps, dtype=dtype, device=device),
+                   torch.tensor(greedy, dtype=torch.bool, device=device),
+                   sum(greedy), max([k for k in ks if k < vocab], default=0), any(p < 1.0 for p in ps))
+
+    @property
+    def rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.n_greedy == self.rows
+
+
+def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t [B]`` shaped to broadcast over ``like [B, ..., V]``."""
+    return t.view(-1, *([1] * (like.dim() - 1)))
+
+
+def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """The sampling law of every row: ``logits [B, ..., V]`` -> probabilities, in ``rs``' dtype.  Row b is
+    exactly :func:`cluster.core.sampling.logits_to_probs` under row b's settings (temperature, then top-k on
+    the scaled logits, softmax, then the smallest top-p prefix); a greedy row's law is left unscaled (its
+    callers take the argmax instead)."""
+    x = logits.to(rs.temperature.dtype) / _per_row(rs.temperature, logits)
+    V = x.shape[-1]
+    if rs.max_top_k:
+        top = torch.topk(x, rs.max_top_k, dim=-1).values                      # [B, ..., k_max]
+        k = _per_row(rs.top_k.clamp(max=rs.max_top_k), x).expand(*x.shape[:-1], 1)
+        kth = top.gather(-1, k - 1)                                            # [B, ..., 1]
+        off = _per_row(rs.top_k >= V, x)
+        x = x.masked_fill((x < kth) & ~off, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rs.any_top_p:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        top_p = _per_row(rs.top_p, probs)
+        drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+# -- random draws -----------------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_hash(seed: torch.Tensor, start: torch.Tensor, offset: torch.Tensor, purpose: int) -> torch.Tensor:
+    """A 64-bit hash of (seed, start, offset, purpose), elementwise over broadcast int64 tensors (SplitMix64's
+    finaliser over a Weyl combination of the four).  Written here because torch's generators are stateful: no
+    torch API draws a value keyed by a counter per element, which per-request reproducibility inside a batch
+    needs (vLLM loops over seeded rows with a generator each instead)."""
+    x = seed * _GOLDEN + start * _MIX1 + (offset * 8 + purpose) * _MIX2
+    x = x + _GOLDEN
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    return x ^ _srl(x, 31)
+
+
+def counter_uniform(seed, start, offset, purpose: int, dtype=torch.float64) -> torch.Tensor:
+    """Uniforms in [0, 1) from :func:`counter_hash`: the top 53 bits (24 in float32), exactly representable."""
+    h = counter_hash(seed, start, offset, purpose)
+    bits = 24 if dtype == torch.float32 else 53
+    return _srl(h, 64 - bits).to(dtype) * (2.0 ** -bits)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of ``probs [B, V]`` (unnormalised is fine) by the uniform ``u [B]``: the first
+    index whose cumulative mass exceeds u x the row's total, never past the row's last positive entry."""
+    cdf = probs.cumsum(-1)                                                     # [B, V]
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)                         # the last positive entry
+    return torch.minimum(idx, last)[:, 0]
+
+
+class Draws:
+    """The random source of one batched call: Bernoulli and categorical draws over tensors, where ``live``
+    [B] or [B, K] says which draws the outcome can depend on (the others may return anything)."""
+
+    def bernoulli(self, prob: torch.Tensor, live: torch.Tensor, purpose: int = ACCEPT) -> torch.Tensor:
+        raise NotImplementedError
+
+    def categorical(self, probs: torch.Tensor, live: torch.Tensor, purpose: int = FINAL,
+                    offset: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CounterDraws(Draws):
+    """Draws computed from (seed, start, offset, purpose): ``seeds [B]`` per request, ``starts [B]`` the
+    sequence length where the row's step began (so no uniform is ever used twice by a request: every step
+    starts further on)."""
+
+    def __init__(self, seeds: torch.Tensor, starts: torch.Tensor):
+        self.seeds, self.starts = seeds, starts
+
+    @classmethod
+    def of(cls, seeds: list[int], starts: list[int], device) -> "CounterDraws":
+        return cls(torch.tensor(seeds, dtype=torch.long, device=device),
+                   torch.tensor(starts, dtype=torch.long, device=device))
+
+    def bernoulli(self, prob, live, purpose=ACCEPT):
+        K = prob.shape[1]
+        off = torch.arange(K, device=prob.device)[None]
+        u = counter_uniform(self.seeds[:, None], self.starts[:, None], off, purpose, prob.dtype)
+        return u < prob
+
+    def categorical(self, probs, live, purpose=FINAL, offset=0):
+        off = torch.full_like(self.seeds, offset)
+        return inverse_cdf(probs, counter_uniform(self.seeds, self.starts, off, purpose, probs.dtype))
+
+
+class RngDraws(Draws):
+    """Each live draw handed to its row's random source (``bernoulli(p)``, ``categorical(probs [V])``): the
+    exact-enumeration tests' branching sources, or any per-request :class:`cluster.core.sampling.Rng`."""
+
+    def __init__(self, rngs: list):
+        self.rngs = rngs
+
+    def bernoulli(self, prob, live, purpose=ACCEPT):
+        out = torch.zeros(prob.shape, dtype=torch.bool)
+        for b, j in live.nonzero().tolist():
+            out[b, j] = self.rngs[b].bernoulli(float(prob[b, j]))
+        return out.to(prob.device)
+
+    def categorical(self, probs, live, purpose=FINAL, offset=0):
+        out = torch.zeros(probs.shape[0], dtype=torch.long)
+        for b in live.nonzero()[:, 0].tolist():
+            p = probs[b].to(torch.float64)
+            out[b] = self.rngs[b].categorical(p / p.sum())
+        return out.to(probs.device)
+
+
+# -- sampling and verification --------------------------------------------------------------------------
+def sample_batch(logits: torch.Tensor, rs: RowSampling, draws: Draws, offset: int = 0,
+                 purpose: int = FINAL) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of ``logits [B, V]``: the argmax for greedy rows, a draw from the row's law for the
+    others -> (tokens [B], the laws [B, V] or None when every row is greedy)."""
+    arg = logits.argmax(-1) if rs.n_greedy else None
+    if rs.all_greedy:
+        return arg, None
+    probs = probs_batch(logits, rs)
+    tok = draws.categorical(probs, ~rs.greedy, purpose, offset)
+    return (tok if arg is None else torch.where(rs.greedy, arg, tok)), probs
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """One verification round's outcome, per row ``[B]`` (long): ``accepted`` draft tokens are kept, then
+    ``next_token`` (recovered, or bonus where ``bonus`` is 1).  One device-to-host read: :meth:`tolist`."""
+
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    bonus: torch.Tensor
+
+    def tolist(self) -> list[tuple[int, int, bool]]:
+        rows = torch.stack([self.accepted, self.next_token, self.bonus.long()]).tolist()
+        return [(a, t, bool(b)) for a, t, b in zip(*rows)]
+
+
+def _onehot_at(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like).scatter(-1, x[:, None], 1.0)
+
+
+def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, rs: RowSampling,
+                 draws: Draws, *, q: torch.Tensor | None = None, det: torch.Tensor | None = None,
+                 method: str = "token") -> Verdicts:
+    """The rejection sampler over every row of a round (shapes in the module docstring); ``method``
+    ``token`` (Leviathan et al., Alg. 1) or ``block`` (Sun et al., Alg. 3)."""
+    B, K1, V = logits.shape
+    K = K1 - 1
+    rows = torch.arange(B, device=logits.device)
+    valid = torch.arange(K, device=logits.device)[None] < lengths[:, None]          # [B, K]
+    if rs.n_greedy:                                                                 # argmax comparisons
+        arg = logits.argmax(-1)                                                     # [B, K+1]
+        g_acc = ((draft == arg[:, :K]) & valid).long().cumprod(-1).sum(-1)
+        g_next = arg[rows, g_acc]
+        if rs.all_greedy:
+            return Verdicts(g_acc, g_next, g_acc == lengths)
+    if det is None:
+        det = torch.full((B,), q is None, dtype=torch.bool, device=logits.device)
+    p = probs_batch(logits, rs)                                                     # [B, K+1, V]
+    px = p[:, :K].gather(-1, draft[..., None])[..., 0]                              # [B, K]
+    qx = torch.ones_like(px) if q is None else \
+        torch.where(det[:, None], 1.0, q.gather(-1, draft[..., None])[..., 0])
+    live = valid & ~rs.greedy[:, None]
+    if method == "token":
+        ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).to(px.dtype))
+        ok = draws.bernoulli(ratio.clamp(max=1.0), live)
+        acc = (ok & valid).long().cumprod(-1).sum(-1)                               # [B]
+        scale = torch.ones(B, dtype=p.dtype, device=p.device)
+    elif method == "block":
+        acc, scale = _block_tau(p, px, qx, draft, lengths, valid, det, q, draws, live)
+    else:
+        raise ValueError(f"unknown verification method {method!r}")
+    bonus = acc == lengths
+    p_row = p[rows, acc]                                                            # [B, V]
+    at = acc.clamp(max=max(K - 1, 0))
+    x_at = draft[rows, at] if K else torch.zeros_like(acc)
+    q_row = _onehot_at(x_at, p_row) if q is None else \
+        torch.where(det[:, None], _onehot_at(x_at, p_row), q[rows, at])
+    res = torch.clamp(scale[:, None] * p_row - q_row, min=0.0)
+    mass = res.sum(-1, keepdim=True)
+    res = torch.where(mass > 0, res / torch.where(mass > 0, mass, 1.0), p_row)
+    final = torch.where(bonus[:, None], p_row, res)
+    tok = draws.categorical(final, ~rs.greedy)
+    if rs.n_greedy:
+        acc, tok = torch.where(rs.greedy, g_acc, acc), torch.where(rs.greedy, g_next, tok)
+        bonus = acc == lengths
+    return Verdicts(acc, tok, bonus)
+
+
+def _block_tau(p, px, qx, draft, lengths, valid, det, q, draws, live):
+    """Block verification's stopping point tau [B] and the weight w_tau [B] of its correction row (Sun et al.,
+    Alg. 3; :func:`cluster.core.block_verify.block_weights` is the per-row form): log w_i = min(log w_{i-1} +
+    log p_i(x_i) - log q_i(x_i), 0), h_i = R_i / (R_i + 1 - w_i) with R_i = sum_x max(w_i p_i(x) - q_i(x), 0),
+    h_L = w_L; eta_i ~ Bernoulli(h_i) for every i, tau the last success.  The recursion runs over the K
+    positions (never the rows or the vocabulary)."""
+    B, K = px.shape
+    step = torch.where(px <= 0, float("-inf"),
+                       torch.where(qx <= 0, float("inf"), torch.log(px) - torch.log(qx.clamp(min=1e-300))))
+    logw = [torch.zeros(B, dtype=p.dtype, device=p.device)]                            # log w_0 = 0
+    for i in range(K):
+        prev = logw[-1]
+        logw.append(torch.where(prev > float("-inf"), torch.clamp(prev + step[:, i], max=0.0), prev))
+    w = torch.stack(logw, 1).exp()                                                       # [B, K+1]
+    if K:
+        wp = w[:, :K, None] * p[:, :K]                                                   # [B, K, V]
+        if q is None:
+            R = w[:, :K] * (1.0 - px)
+        else:
+            Rq = torch.clamp(wp - q, min=0.0).sum(-1)
+            R = torch.where(det[:, None], w[:, :K] * (1.0 - px), Rq)                   # one-hot q: closed form
+        denom = R + 1.0 - w[:, :K]
+        hR = torch.where(denom > 0, R / torch.where(denom > 0, denom, 1.0), torch.ones_like(R))   # h from R_i
+        idx = torch.arange(1, K + 1, device=p.device)[None]                             # i = 1..K
+        wL = w.gather(1, lengths[:, None])                                               # [B, 1] w_{L_b}
+        h_next = torch.cat([hR[:, 1:], torch.zeros_like(hR[:, :1])], 1)                 # R_i for h_i, i < L
+        h = torch.where(idx < lengths[:, None], h_next, torch.where(idx == lengths[:, None], wL, 0.0))
+        eta = draws.bernoulli(h.clamp(0.0, 1.0), live) & valid
+        tau = (eta.long() * idx).max(-1).values
+    else:
+        tau = torch.zeros(B, dtype=torch.long, device=p.device)
+    return tau, w.gather(1, tau[:, None])[:, 0]
