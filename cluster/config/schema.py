@@ -90,6 +90,9 @@ class EngineSpec:
     # from this many running requests up, the drafting strategies with a fixed draft length (speculative, mag,
     # cs_drafting) decode plainly (vLLM's speculative_disable_by_batch_size, per step); null: never
     plain_from_batch: int | None = None
+    # how a step's rows are sampled and verified: batched = the whole round in one call on the target's device
+    # (cluster/core/rejection.py); reference = row by row on the host in float64 (the test oracle)
+    sampler: str = "batched"
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
@@ -120,6 +123,8 @@ class EngineSpec:
         if self.plain_from_batch is not None and not 1 <= self.plain_from_batch <= 4096:
             raise ConfigError(f"{path}.plain_from_batch: must be in [1, 4096] (or null: never), "
                               f"got {self.plain_from_batch}")
+        if self.sampler not in ("batched", "reference"):
+            raise ConfigError(f"{path}.sampler: must be one of batched, reference, got {self.sampler!r}")
         check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)
         check_config_choice(f"{path}.groups", self.groups, OVERLAP)
         check_config_choice(f"{path}.strategy", self.strategy, sorted(REGISTRY))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
+from cluster.core.verify_round import VerifyItem
 
 
 class PrefillItem(NamedTuple):
@@ -121,7 +122,32 @@ class Draft:
         return handle.draft_batch(items)
 
 
-ModelCall = Propose | ProposeAdaptive | Score | Draft
+@dataclass(frozen=True)
+class Verify:
+    """Score ``draft`` on the target ``model`` and verify it there -> :class:`cluster.core.verify_round.Verified`
+    (accepted count, the recovered or bonus token, logprobs if asked).  The round's calls of every request
+    run as ONE forward and ONE batched rejection sampler on the target's device; ``block`` says how q travels
+    (None: deterministic drafts), ``start`` is the sequence length where the step began (the draws' counter)."""
+
+    model: str
+    draft: tuple[int, ...]
+    block: Any
+    sampling: SamplingParams
+    rng: Any
+    start: int
+    method: str = "token"
+    logprobs: int | None = None
+
+    def item(self, rid: str) -> VerifyItem:
+        return VerifyItem(rid, list(self.draft), self.block, self.sampling, self.rng, self.start, self.method,
+                          self.logprobs)
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[VerifyItem]) -> list:
+        return handle.verify_batch(items)
+
+
+ModelCall = Propose | ProposeAdaptive | Score | Draft | Verify
 
 
 def run_group(handle: BatchedHandle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:

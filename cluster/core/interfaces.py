@@ -17,6 +17,7 @@ distributions are reproduced exactly):
   propose_batch           (rid, k)                                         -> (tokens [k], logits [k, V])
   propose_adaptive_batch  (rid, k_max, head, threshold, eos)               -> (tokens [K <= k_max], logits [K, V])
   draft_batch             (rid, DraftSpec, limit, budget)                  -> DraftBlock (or the exception)
+  verify_batch            VerifyItem (rid, draft [L], q block, sampling, ...) -> Verified (accepted, token)
 
 A call about a request the handle does not hold raises :class:`UnknownRequestError` (the actors read it as
 "restarted, state lost"); ``release`` of an unknown request is a no-op.
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from cluster.core.sampling import SamplingParams
+from cluster.core.verify_round import stack_rows, verify_round
 
 
 class UnknownRequestError(KeyError):
@@ -99,6 +101,13 @@ class BatchedHandle(ABC):
     def draft_batch(self, items: list[tuple]) -> list[Any]:
         """The draft side's blocks, one per item ``(rid, DraftSpec, limit, budget)``."""
         raise UnsupportedCallError(self.name, "draft_batch")
+
+    def verify_batch(self, items: list) -> list:
+        """Score each item's draft and verify it (:class:`cluster.core.verify_round.VerifyItem` ->
+        ``Verified``): by default ``score_batch``'s rows, verified in one batched call where they land; a
+        handle that owns a device (:class:`cluster.models.batched.BatchedHFWorker`) keeps the logits there."""
+        rows = self.score_batch([(it.rid, it.draft) for it in items])
+        return verify_round(stack_rows(rows), items)
 
     # -- defaulted --------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -87,7 +87,8 @@ class Rng:
     """Seeded source of the algorithm core's random draws (CPU ``torch.Generator``)."""
 
     def __init__(self, seed: int):
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.seed = int(seed)          # also the counter of the batched sampler's draws (core/rejection.py)
+        self.generator = torch.Generator().manual_seed(self.seed)
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator, dtype=torch.float64))

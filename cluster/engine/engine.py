@@ -33,10 +33,11 @@ from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, Sequence
 from cluster.engine.stop import StopDecoder
 from cluster.engine.validate import prepare
-from cluster.errors import DeadlineExceededError, ModelUnavailableError, ParamError
+from cluster.errors import DeadlineExceededError, ModelUnavailableError, ParamError, check_choice
 from cluster.strategies import REGISTRY, StepContext
 
 log = logging.getLogger("specserve.engine")
+SAMPLERS = ("batched", "reference")
 
 
 class Engine(Prefilling, CallerDriven):
@@ -53,13 +54,14 @@ class Engine(Prefilling, CallerDriven):
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
                  limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None,
-                 groups: str = "off", plain_from_batch: int | None = None):
+                 groups: str = "off", plain_from_batch: int | None = None, sampler: str = "batched"):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
         self.defaults = dict(defaults or {})
         self.max_new_tokens_limit = max_new_tokens_limit
         self.rng_factory = rng_factory      # seed -> Rng; the exact-enumeration tests swap it
+        self.sampler = check_choice("sampler", sampler, SAMPLERS)   # batched on the device, or the per-row reference
         self.vocab_size = min(m.vocab_size for m in self.models.values())
         self.scheduler = Scheduler(limits)
         self.planner = planner
@@ -87,7 +89,7 @@ class Engine(Prefilling, CallerDriven):
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
                    request_timeout_s=spec.request_timeout_s, groups=getattr(spec, "groups", "off"),
-                   plain_from_batch=getattr(spec, "plain_from_batch", None))
+                   plain_from_batch=getattr(spec, "plain_from_batch", None), sampler=getattr(spec, "sampler", "batched"))
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
@@ -111,7 +113,8 @@ class Engine(Prefilling, CallerDriven):
         eos = None if req.ignore_eos else self.tokenizer.eos_token_id
         ctx = StepContext(req.rid, self.models, self.target, req.sampling, self.rng_factory(req.seed), stats,
                           list(req.prompt_ids), 0, eos=eos, logprobs=req.logprobs,
-                          prediction=Prediction(req.prediction_ids, len(req.prompt_ids)) if req.prediction_ids else None)
+                          prediction=Prediction(req.prediction_ids, len(req.prompt_ids)) if req.prediction_ids else None,
+                          batched=self.sampler == "batched")
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s

@@ -30,13 +30,9 @@ from transformers import AutoModelForCausalLM
 from cluster.core.constraint import mask_logits
 from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
-from cluster.core.sampling import (
-    Rng,
-    SamplingParams,
-    derive_seed,
-    logits_to_probs,
-    sample,
-)
+from cluster.core.rejection import DRAFT, CounterDraws, RowSampling, sample_batch
+from cluster.core.sampling import Rng, SamplingParams, derive_seed
+from cluster.core.verify_round import verify_round
 from cluster.models.head import resolve_head
 from cluster.models.memory import memory_report
 from cluster.models.slot_cache import SlotCache
@@ -176,37 +172,63 @@ class BatchedHFWorker(BatchedHandle):
             self._free.add(req.slot)
 
     def _draft(self, items) -> list[tuple[list[int], torch.Tensor]]:
-        """Rows (rid, k, head or None, DraftStop or None): one forward per step over the rows still drafting;
-        a row with a head stops by its rule, one without after k tokens."""
+        """Rows (rid, k, head or None, DraftStop or None): one forward per step over the rows still drafting,
+        every row's token drawn in one batched call on the device (:func:`cluster.core.rejection.sample_batch`,
+        counter-based draws keyed by the row's start and step); a row with a head stops by its rule, one without
+        after k tokens."""
         reqs = [self._get(rid) for rid, *_ in items]
         out = [([], []) for _ in items]
+        starts = [len(r.tokens) for r in reqs]
         live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
         step = 0
         while live:
             step += 1
-            res = self._forward([reqs[i] for i in live], hidden=any(items[i][2] is not None for i in live))
+            rows = [reqs[i] for i in live]
+            logits, hid, at = self._forward(rows, hidden=any(items[i][2] is not None for i in live), raw=True)
+            last = logits[[b for b, _ in at], [n - 1 for _, n in at]].float()           # [B, V]
+            for j, req in enumerate(rows):
+                if req.sampling.constraint is not None:                 # a grammar's law (core/constraint.py)
+                    last[j] = mask_logits(last[j], req.sampling.constraint.allowed(req.tokens).to(last.device))
+            rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
+            draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
+            toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
+            last = last.cpu()
             done = set()
-            for i, (lg, hid) in zip(live, res):
+            for j, (i, tok) in enumerate(zip(live, toks)):
                 req, (_, k, head, rule) = reqs[i], items[i]
-                last = lg[-1] if req.sampling.constraint is None else \
-                    mask_logits(lg[-1], req.sampling.constraint.allowed(req.tokens))   # a grammar's law (core/constraint.py)
-                tok = sample(logits_to_probs(last, req.sampling), req.rng)
                 req.tokens.append(tok)
                 out[i][0].append(tok)
-                out[i][1].append(last)
+                out[i][1].append(last[j])
                 if rule is None:
                     stop = step >= k
                 else:                                                # e_{i-1}: candidate i-1's acceptance
-                    stop = rule.after(tok, head.accept_prob(hid[-1]) if step >= 2 and head is not None else None)
+                    e = hid[at[j][0], at[j][1] - 1].float().cpu()
+                    stop = rule.after(tok, head.accept_prob(e) if step >= 2 and head is not None else None)
                 if stop:
                     done.add(i)
             live = [i for i in live if i not in done]
         return [(toks, torch.stack(lgs)) if lgs else ([], torch.empty(0, self.vocab_size)) for toks, lgs in out]
 
     @torch.inference_mode()
-    def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None):
+    def verify_batch(self, items: list) -> list:
+        """Append each draft, run one forward and verify every row on this worker's device
+        (:func:`cluster.core.verify_round.verify_round`): the logits never leave it, token ids come back."""
+        reqs = [self._get(it.rid) for it in items]
+        for req, it in zip(reqs, items):
+            req.cached = min(req.cached, len(req.tokens) - 1)
+            req.tokens.extend(it.draft)
+        logits, _, at = self._forward(reqs, raw=True)                               # [B, n, V]; (row, fed)
+        K = max(len(it.draft) for it in items)
+        pos = [[min(n - len(it.draft) - 1 + j, n - 1) for j in range(K + 1)] for (_, n), it in zip(at, items)]
+        rows = torch.tensor([b for b, _ in at], device=logits.device)[:, None]
+        return verify_round(logits[rows, torch.tensor(pos, device=logits.device)].float(), items)
+
+    @torch.inference_mode()
+    def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None, raw: bool = False):
         """Feed each row's ``tokens[cached:end]`` in one forward; per row (logits ``[n_b, V]``, final hidden
-        states ``[n_b, H]`` with ``hidden``, else None), float32 on the CPU."""
+        states ``[n_b, H]`` with ``hidden``, else None), float32 on the CPU.  ``raw``: (the padded logits
+        ``[B, n, V]`` as the model returned them, on its device; hidden states ``[B, n, H]`` or None; per request
+        (its row there, n_b))."""
         if len({r.slot for r in reqs}) != len(reqs):
             raise ValueError("a request may appear only once per batch")
         ends = ends or [len(r.tokens) for r in reqs]
@@ -225,6 +247,12 @@ class BatchedHFWorker(BatchedHandle):
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                          past_key_values=self._cache, use_cache=True,
                          **({"output_hidden_states": True} if hidden else {}))
+        if raw:
+            at = [None] * len(reqs)
+            for b, (i, r, f) in enumerate(zip(order, rows, feeds)):
+                r.cached += len(f)
+                at[i] = (b, len(f))
+            return out.logits, out.hidden_states[-1] if hidden else None, at
         logits = out.logits.float().cpu()                                           # [B, n, V]
         hid = out.hidden_states[-1].float().cpu() if hidden else None               # [B, n, H]
         res = [None] * len(reqs)

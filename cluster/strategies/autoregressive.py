@@ -21,9 +21,15 @@ class Autoregressive(Strategy):
 def plain_step(ctx: StepContext):
     """One target forward over the pending token and one token sampled from the target's law: the whole of an
     autoregressive step, and of every drafting strategy's step of draft length 0 (speculative.py)."""
-    logits = yield Score(ctx.target_name, ())          # [1, V]
+    if ctx.batched_verify:                             # the round's rows sampled together on the target's device
+        v = yield ctx.verify((), None)
+        tok = v.next_token
+        if ctx.logprobs is not None:
+            ctx.step_logprobs = v.logprobs
+    else:                                              # the per-row reference (grammar rows; the oracle's engine)
+        logits = yield Score(ctx.target_name, ())          # [1, V]
+        tok = sample(ctx.target_probs(logits)[0], ctx.rng)
+        ctx.record_logprobs(logits, [tok])
     ctx.stats.forward(ctx.target_name, target=True)
-    tok = sample(ctx.target_probs(logits)[0], ctx.rng)
     ctx.commit([ctx.target], 0, [tok])
-    ctx.record_logprobs(logits, [tok])
     return [tok]

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Generator
 
 import torch
 
-from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score  # noqa: F401 (re-exported)
+from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score, Verify  # noqa: F401 (re-exported)
 from cluster.core.constraint import constrain_rows
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle
@@ -86,6 +86,7 @@ class StepContext:
     step_logprobs: list[TokenLogprob] | None = None   # this step's, aligned with its emitted tokens
     prediction: Prediction | None = None   # the client's predicted output (drafting strategies draw from it)
     behind: dict[str, int] = field(default_factory=dict)   # handle -> tokens it holds: plain steps skipped it
+    batched: bool = True           # verify through the batched sampler (Verify); False: the per-row reference
 
     @property
     def target(self) -> BatchedHandle:
@@ -98,6 +99,17 @@ class StepContext:
         """The target's law at rows ``[L+1, V]`` of a forward over ``draft``: masked by the request's grammar
         (row i after tokens + draft[:i]; :mod:`cluster.core.constraint`), then the request's sampling."""
         return logits_to_probs(constrain_rows(self.sampling.constraint, self.tokens, draft, logits), self.sampling)
+
+    @property
+    def batched_verify(self) -> bool:
+        """Whether this step verifies through :class:`Verify` (the batched sampler on the target's device); a
+        grammar's rows keep the per-row reference path, whose masks the grammar computes row by row anyway."""
+        return self.batched and self.sampling.constraint is None
+
+    def verify(self, draft, block, method: str = "token") -> Verify:
+        """The step's :class:`Verify` call on the target: ``draft`` with q as ``block`` travels."""
+        return Verify(self.target_name, tuple(draft), block, self.sampling, self.rng, len(self.tokens), method,
+                      self.logprobs)
 
     def record_logprobs(self, target_logits: torch.Tensor, emitted: list[int]) -> None:
         """Every strategy calls this once per step with the target's raw logits ``[>= N, V]`` whose row i

@@ -90,21 +90,44 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     for name, n in block.forwards.items():
         ctx.stats.forward(name, n)
     draft = block.tokens + more
-    p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
-    p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
+    if ctx.batched_verify:                     # the round's rows verified together on the target's device
+        v = yield ctx.verify(draft, with_prediction(block, more, ctx), verify_method(verify))
+        accepted, next_token = v.accepted, v.next_token
+        if ctx.logprobs is not None:
+            ctx.step_logprobs = v.logprobs
+    else:                                      # the per-row reference (grammar rows; the oracle's engine)
+        p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
+        p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
+        q = block.probs(p.shape[-1], ctx.sampling) if block.tokens else p[:0]         # [L, V]
+        if more:                               # the prediction's continuation: deterministic, one-hot rows
+            q = torch.cat([q, torch.nn.functional.one_hot(torch.tensor(more), p.shape[-1]).to(q.dtype)])
+        verdict = verify(draft, q, p, ctx.rng)
+        accepted, next_token = verdict.accepted, verdict.next_token
+        ctx.record_logprobs(p_logits, draft[:accepted] + [next_token])
     ctx.stats.forward(ctx.target_name, target=True)
-    q = block.probs(p.shape[-1], ctx.sampling) if block.tokens else p[:0]         # [L, V]
-    if more:                                   # the prediction's continuation: deterministic, one-hot rows
-        q = torch.cat([q, torch.nn.functional.one_hot(torch.tensor(more), p.shape[-1]).to(q.dtype)])
-    verdict = verify(draft, q, p, ctx.rng)
     if draft:
-        ctx.stats.verification(len(draft), verdict.accepted)
-    emitted = draft[:verdict.accepted] + [verdict.next_token]
+        ctx.stats.verification(len(draft), accepted)
+    emitted = draft[:accepted] + [next_token]
     if len(draft) > own:                                             # the prediction drafted positions own..
-        ctx.stats.prediction(len(draft) - own, max(0, verdict.accepted - own))
-        pred.verified(len(draft) - own, max(0, verdict.accepted - own))
-    kept = min(verdict.accepted, own)      # the draft side holds only its own block: the rest is told to it
-    ctx.commit([ctx.target], verdict.accepted, [verdict.next_token])
+        ctx.stats.prediction(len(draft) - own, max(0, accepted - own))
+        pred.verified(len(draft) - own, max(0, accepted - own))
+    kept = min(accepted, own)              # the draft side holds only its own block: the rest is told to it
+    ctx.commit([ctx.target], accepted, [next_token])
     ctx.commit([ctx.models[DRAFTS]], kept, emitted[kept:])
-    ctx.record_logprobs(p_logits, emitted)
     return emitted
+
+
+def verify_method(verify) -> str:
+    """The batched sampler's name for a verifier of :data:`cluster.core.verifiers.VERIFIERS`."""
+    return next(name for name, fn in VERIFIERS.items() if fn is verify)
+
+
+def with_prediction(block: DraftBlock, more: list[int], ctx: StepContext) -> DraftBlock:
+    """The q of ``block.tokens + more``: a prediction's tokens are deterministic (one-hot rows), so a block
+    drawn from a neural drafter travels as dense rows with the one-hot rows after them."""
+    if not more or block.form == "onehot" or not block.tokens:
+        return block if block.tokens or not more else DraftBlock(list(more))
+    V = ctx.target.vocab_size
+    q = torch.cat([block.probs(V, ctx.sampling),
+                   torch.nn.functional.one_hot(torch.tensor(more), V).to(torch.float64)])
+    return DraftBlock(block.tokens + more, "dense", q)

@@ -13,13 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from cluster.core.sampling import (
-    Rng,
-    SamplingParams,
-    derive_seed,
-    logits_to_probs,
-    sample,
-)
+from cluster.core.rejection import DRAFT, CounterDraws, RowSampling, sample_batch
+from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.models.head import resolve_head
 
 
@@ -85,9 +80,10 @@ class HFWorker:
     def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
         req = self._get(rid)
         out, logits = [], []
-        for _ in range(k):
+        start = len(req.tokens)
+        for i in range(k):
             last = self._forward(req)[-1]                               # [V]
-            tok = sample(logits_to_probs(last, req.sampling), req.rng)
+            tok = _draw(last, req, start, i)
             req.tokens.append(tok)
             out.append(tok)
             logits.append(last)
@@ -104,9 +100,10 @@ class HFWorker:
         head = resolve_head(head)
         req = self._get(rid)
         out, logits, keep = [], [], 1.0
+        start = len(req.tokens)
         for i in range(1, k_max + 1):
             lg, hid = self._forward(req, hidden=True)                   # [n, V], [n, H]
-            tok = sample(logits_to_probs(lg[-1], req.sampling), req.rng)
+            tok = _draw(lg[-1], req, start, i - 1)
             req.tokens.append(tok)
             out.append(tok)
             logits.append(lg[-1])
@@ -158,3 +155,11 @@ class HFWorker:
         if req.cached > n:
             req.cache.crop(n - req.cached)                              # negative: tokens to drop
             req.cached = n
+
+
+def _draw(last: torch.Tensor, req, start: int, offset: int) -> int:
+    """The drafter's draw as every worker makes it: the counter-based draw of (seed, step start, offset), one row
+    of :func:`cluster.core.rejection.sample_batch` (what the batched worker runs for many rows at once)."""
+    rs = RowSampling.of([req.sampling], last.shape[-1], last.device)
+    draws = CounterDraws.of([req.rng.seed], [start], last.device)
+    return int(sample_batch(last.float()[None], rs, draws, offset=offset, purpose=DRAFT)[0][0])

@@ -95,11 +95,17 @@ class DraftBlock:
 
 def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingParams, *,
                logits: torch.Tensor | None = None, onehot: bool = False, forwards=None) -> DraftBlock:
-    """The smallest exact form of a block: tokens alone for greedy or deterministic drafting; the truncated
-    support where top-k / top-p leave few tokens; else the raw logits (when q came from them) or q."""
+    """The smallest exact form of a block: tokens alone for greedy or deterministic drafting; the raw logits
+    where the law has full support (temperature alone: q is never computed here, the verifier computes it in its
+    batched call); the truncated support where top-k / top-p leave few tokens; else the raw logits (when q came
+    from them, computed from ``logits`` when not given) or q."""
     forwards = dict(forwards or {})
-    if not tokens or onehot or sampling.greedy or q is None:
+    if not tokens or onehot or sampling.greedy or (q is None and logits is None):
         return DraftBlock(list(tokens), "onehot", forwards=forwards)
+    if logits is not None and not sampling.top_k and sampling.top_p >= 1.0:    # full support: the raw logits
+        return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)
+    if q is None:
+        q = logits_to_probs(logits, sampling)
     V = q.shape[-1]
     width = int((q > 0).sum(-1).max())
     if width * 16 < V * 4:                                 # ids + float64 values beat V float32 logits
@@ -177,8 +183,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     if onehot:
         toks = dc.grammar_cut(work, toks)                                 # neural drafters sampled masked
         logits = logits[:len(toks)]
-    q = None if onehot or dc.sampling.greedy or not toks else logits_to_probs(logits, dc.sampling)
-    block = pack_block(toks, q, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
+    block = pack_block(toks, None, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
     return block if onehot else _with_alts(block, logits, dc.alts)
 
 
