@@ -23,6 +23,7 @@ _WHERE = {                                   # suite -> (module under cluster.be
     "edit": ("edit", "run"),
     "grammar": ("grammar", "run"),
     "gpu": ("gpu", "run"),
+    "shapes": ("shapes", "run"),
     "simulate": ("simulate_suite", "run"),
 }
 

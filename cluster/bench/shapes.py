@@ -1,0 +1,219 @@
+"""Production shapes: what the engine adds per step as the vocabulary and the batch grow, before and after.
+
+Random-weight Llama checkpoints built from a transformers config (hidden 64, 2 layers; nothing downloaded) at each
+vocabulary of ``--vocabs`` (default 4,096, 32,000 and Llama 3's 128,256); the drafter is a copy of the target, so
+acceptance does not move with V.  For each vocabulary, ``--rows`` requests together (default 1, 8, 32), greedy and
+T = 1, autoregressive and speculative k = 4, each under both samplers of the engine (``engine.sampler``):
+``reference`` (row by row on the host in float64, the test oracle: the engine as it was) and ``batched`` (the
+whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run.
+
+Per step: wall time, the models' forward time (hooks around the HF modules) and the rest, the engine's own work.
+The floor the own work is measured against: one argmax and one softmax over the step's logits block (rows x 9 x
+V float32: the target's 5 rows and the drafter's 4 of a k = 4 step), timed in the same run.  Output: a table,
+``bench_shapes.{csv,json}`` and ``bench_shapes.png``.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cluster.bench.report import print_table, write_results
+from cluster.core.model_set import ModelSet
+from cluster.core.sampling import SamplingParams
+from cluster.engine.engine import Engine
+from cluster.engine.request import GenerationRequest
+from cluster.engine.scheduler import Limits
+from cluster.errors import ParamError, check_int
+from cluster.models.batched import BatchedHFWorker
+
+VOCABS = (4096, 32000, 128256)
+ROWS = (1, 8, 32)
+NEW_TOKENS = 32            # generated per request
+PROMPT = 8                 # prompt tokens per request
+K = 4
+SAMPLERS = ("reference", "batched")
+
+
+class _WordTokenizer:
+    """A word-level tokenizer of V entries (token i is the word ``w<i>``); no EOS (requests ignore it anyway)."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w[1:]) % self.vocab_size for w in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    def stream(self):
+        tok = self
+
+        class _S:
+            def step(self, token_id):
+                return tok.decode([token_id]) + " "
+
+            def flush(self):
+                return ""
+        return _S()
+
+
+class _ForwardClock:
+    """Seconds spent inside the forward of the given modules (pre- and post-forward hooks)."""
+
+    def __init__(self, modules):
+        self.seconds, self._t0 = 0.0, None
+        self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._pre),
+                                                    m.register_forward_hook(self._post))]
+
+    def _pre(self, *_):
+        self._t0 = time.perf_counter()
+
+    def _post(self, *_):
+        self.seconds += time.perf_counter() - self._t0
+
+
+def random_llama(vocab: int, seed: int = 0):
+    """A random-weight Llama causal LM at ``vocab`` (hidden 64, 2 layers, 4 heads), float32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _parse(text, name: str, low: int, high: int) -> list[int]:
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ParamError(name, f"comma-separated integers in [{low}, {high}]", text) from None
+    if not out:
+        raise ParamError(name, f"comma-separated integers in [{low}, {high}]", text)
+    return [check_int(name, v, low, high) for v in out]
+
+
+def floor_passes(rows: int, vocab: int, repeat: int = 3) -> dict:
+    """Milliseconds of one argmax and one softmax over a rows x 9 x V float32 block (best of ``repeat``)."""
+    x = torch.randn(rows, 2 * K + 1, vocab)
+    best = {}
+    for name, fn in (("argmax", lambda: x.argmax(-1)), ("softmax", lambda: torch.softmax(x, -1))):
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best[name] = 1e3 * min(times)
+    return best
+
+
+def measure(engine: Engine, clock: _ForwardClock, rows: int, strategy: str, temperature: float, seed: int) -> dict:
+    """One cell: ``rows`` requests of NEW_TOKENS tokens together -> per-step wall, model and own ms."""
+    options = {"drafter": "drafter", "k": K} if strategy == "speculative" else {}
+    reqs = [GenerationRequest(prompt_ids=[(7 * i + j) % engine.vocab_size + 1 for j in range(PROMPT)],
+                              max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature), seed=seed + i,
+                              strategy=strategy, options=options, ignore_eos=True) for i in range(rows)]
+    steps0, model0 = engine.steps, clock.seconds
+    t0 = time.perf_counter()
+    results = engine.generate_many(reqs)
+    wall = time.perf_counter() - t0
+    steps = engine.steps - steps0
+    model = clock.seconds - model0
+    return {"steps": steps, "step_ms": 1e3 * wall / steps, "model_ms": 1e3 * model / steps,
+            "own_ms": 1e3 * (wall - model) / steps, "tokens": [r.token_ids for r in results]}
+
+
+def run(args, cfg) -> int:
+    vocabs = _parse(getattr(args, "vocabs", None) or ",".join(map(str, VOCABS)), "vocabs", 16, 262144)
+    row_counts = _parse(getattr(args, "rows", None) or ",".join(map(str, ROWS)), "rows", 1, 256)
+    torch.set_num_threads(1)
+    table, points = [], []
+    cells = [(r, t, s) for r in row_counts for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]
+    bar = tqdm(total=len(vocabs) * len(cells) * len(SAMPLERS), desc="bench shapes", unit="cell")
+    for V in vocabs:
+        target = random_llama(V)
+        drafter = copy.deepcopy(target)
+        handles = {"target": BatchedHFWorker(target, "target"), "drafter": BatchedHFWorker(drafter, "drafter")}
+        models = ModelSet.assemble(handles, "target")
+        clock = _ForwardClock([target, drafter])
+        limits = Limits(max(row_counts), 2 * max(row_counts), 1 << 22)
+        engines = {s: Engine(models, _WordTokenizer(V), sampler=s, limits=limits, max_new_tokens_limit=NEW_TOKENS)
+                   for s in SAMPLERS}
+        for e in engines.values():                                        # warm-up (not timed)
+            measure(e, clock, 1, "speculative", 1.0, 0)
+        for rows, temperature, strategy in cells:
+            floor = floor_passes(rows, V)
+            got = {}
+            for s in SAMPLERS:                                            # side by side, same cell
+                got[s] = measure(engines[s], clock, rows, strategy, temperature, 100)
+                bar.update()
+            before, after = got["reference"], got["batched"]
+            equal = before["tokens"] == after["tokens"] if temperature == 0 else None
+            table.append({"V": V, "rows": rows, "T": temperature, "strategy": strategy,
+                          "model_ms": after["model_ms"],
+                          "own_ms_before": before["own_ms"], "own_ms_after": after["own_ms"],
+                          "own_after/before": after["own_ms"] / before["own_ms"],
+                          "step_ms_before": before["step_ms"], "step_ms_after": after["step_ms"],
+                          "own/model_after": after["own_ms"] / after["model_ms"],
+                          "argmax_ms": floor["argmax"], "softmax_ms": floor["softmax"],
+                          "greedy_equal": equal})
+    bar.close()
+    _vocab_added(table)
+    print_table(table, f"shapes: random-weight Llama (hidden 64, 2 layers), drafter = target copy, k = {K}, "
+                       f"{NEW_TOKENS} tokens a request; own = step wall - the models' forward time")
+    out = Path(args.out)
+    write_results(table, out, "bench_shapes")
+    _plot(table, out / "bench_shapes.png")
+    print(f"results written to {out / 'bench_shapes'}.{{csv,json,png}}")
+    return 0
+
+
+def _vocab_added(table: list[dict]) -> None:
+    """Adds, to each row at the largest vocabulary, what the vocabulary adds to the own work (own at V minus own
+    at the smallest V, same rows, T and strategy) in passes of the floor (argmax greedy, softmax at T = 1)."""
+    vs = sorted({r["V"] for r in table})
+    if len(vs) < 2:
+        return
+    small = {(r["rows"], r["T"], r["strategy"]): r for r in table if r["V"] == vs[0]}
+    for r in table:
+        base = small.get((r["rows"], r["T"], r["strategy"]))
+        if r["V"] == vs[0] or base is None:
+            continue
+        floor = r["argmax_ms"] if r["T"] == 0 else r["softmax_ms"]
+        r["vocab_passes_before"] = (r["own_ms_before"] - base["own_ms_before"]) / floor
+        r["vocab_passes_after"] = (r["own_ms_after"] - base["own_ms_after"]) / floor
+
+
+def _plot(table: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:                                  # the bench extra is not installed: the table is all
+        return
+    rows = max(r["rows"] for r in table)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, strategy in zip(axes, ("autoregressive", "speculative")):
+        for T, style in ((0.0, "-"), (1.0, "--")):
+            sel = sorted((r for r in table if r["rows"] == rows and r["T"] == T and r["strategy"] == strategy),
+                         key=lambda r: r["V"])
+            vs = [r["V"] for r in sel]
+            ax.plot(vs, [r["own_ms_before"] for r in sel], style, marker="o", color="tab:red", label=f"before T={T:g}")
+            ax.plot(vs, [r["own_ms_after"] for r in sel], style, marker="o", color="tab:blue", label=f"after T={T:g}")
+            ax.plot(vs, [r["model_ms"] for r in sel], style, marker=".", color="gray", label=f"model T={T:g}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{strategy}, {rows} rows")
+        ax.set_xlabel("vocabulary")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("ms per step")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
