@@ -163,12 +163,12 @@ def hop_columns(t: dict | None) -> dict:
 
 def cache_columns(c: dict) -> dict:
     """The speculation cache's counters (``CacheCounters`` as a dict, the ``speculator`` topology) -> the share of
-    speculative steps served from the cache, by branch kind (``known``: the engine's two groups), late answers, wasted draft tokens per step, the fan-out
-    (branches per fill), and the coordinator's time per draft call when every block was a hit (its whole cost:
-    no drafting) and over all calls; ``raced_share``: steps served by a late answer that came while near drafted
-    (counted in the hits too), ``raced_near``: near drafting rounds done before it came, per such step;
-    ``ahead_share``: steps whose answer the speculator had drafted before the fill came (``Speculator.ahead``); {}
-    without steps."""
+    speculative steps served from the cache, by branch kind (``known``: a miss step's own sequence, drafted far
+    alongside near), late answers, wasted draft tokens per step, the fan-out (branches per fill), and the
+    coordinator's time per draft call when every block was a hit (its whole cost: no drafting) and over all
+    calls; ``raced_share``: steps served by a late answer that came while near drafted (counted in the hits too),
+    ``raced_near``: near drafting rounds done before it came, per such step; ``ahead_share``: steps whose answer
+    the speculator had drafted before the fill came (``Speculator.ahead``); {} without steps."""
     n = c.get("steps", 0)
     if not n:
         return {}

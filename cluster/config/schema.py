@@ -82,11 +82,6 @@ class EngineSpec:
     # auto = where the draft side has a process of its own (the separated topology), on = also in-process
     # (no concurrency there: for tests), off = never
     overlap: str = "auto"
-    # two groups (cluster/engine/groups.py): the running rows step in two alternating groups while the far
-    # speculator drafts the other group's next blocks (the speculator topology; elsewhere nothing changes):
-    # auto = per drafter and batch-size band where measured goodput says it pays, on = whenever two drafting rows
-    # run, off = never (the default: on this 2-core machine two groups measured slower, docs/cluster.md)
-    groups: str = "off"
     # from this many running requests up, the drafting strategies with a fixed draft length (speculative, mag,
     # cs_drafting) decode plainly (vLLM's speculative_disable_by_batch_size, per step); null: never
     plain_from_batch: int | None = None
@@ -126,7 +121,6 @@ class EngineSpec:
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"{path}.sampler: must be one of batched, reference, got {self.sampler!r}")
         check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)
-        check_config_choice(f"{path}.groups", self.groups, OVERLAP)
         check_config_choice(f"{path}.strategy", self.strategy, sorted(REGISTRY))
         if self.max_new_tokens_limit < 1:
             raise ConfigError(f"{path}.max_new_tokens_limit: must be >= 1, got {self.max_new_tokens_limit}")

@@ -66,7 +66,6 @@ class BatchedHandle(ABC):
     adaptive: bool = False           # implements propose_adaptive_batch (SpecDec++ drafting)
     specdec_head: str | None = None  # the path of the SpecDec++ acceptance head it drafts with, if built
     memory: dict | None = None       # KV bytes per token, weights, device memory (the engine's KV budget)
-    drafts_ahead: bool = False       # a draft side that drafts blocks of requests not stepping now (``ahead``)
 
     # -- required ---------------------------------------------------------------------------------
     @abstractmethod
@@ -112,11 +111,6 @@ class BatchedHandle(ABC):
     # -- defaulted --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Send bookkeeping a handle queues (a remote one) now; in-process handles queue nothing."""
-
-    def ahead(self, items: list[tuple[str, list[int], int]]) -> None:
-        """The requests ``(rid, committed sequence, budget)`` that step next, not now (the engine's two groups,
-        :mod:`cluster.engine.groups`): a draft side that ``drafts_ahead`` may draft their next blocks meanwhile;
-        nothing by default."""
 
     def probe(self) -> bool:
         """After the handle failed with ModelUnavailableError: True once it answers again."""

@@ -16,14 +16,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.model_set import ModelSet
 from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
-from cluster.engine.groups import Groups
 from cluster.engine.health import ModelHealth
 from cluster.engine.kv_budget import derive_kv_budget
 from cluster.engine.prefill import Prefilling
@@ -46,15 +44,14 @@ class Engine(Prefilling, CallerDriven):
     ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
     engine builds none of it); ``defaults`` holds default strategy options (from the config),
     ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue sizes and KV budget;
-    ``planner`` (optional) picks each step's draft lengths from load; ``groups`` (``auto``/``on``/``off``) whether
-    the running rows step in two alternating groups (:mod:`cluster.engine.groups`); ``plain_from_batch``: from this
+    ``planner`` (optional) picks each step's draft lengths from load; ``plain_from_batch``: from this
     many running rows up, fixed-length drafting decodes plainly (:meth:`Prefilling._plain_by_batch`).
     """
 
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
                  limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None,
-                 groups: str = "off", plain_from_batch: int | None = None, sampler: str = "batched"):
+                 plain_from_batch: int | None = None, sampler: str = "batched"):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
@@ -65,7 +62,6 @@ class Engine(Prefilling, CallerDriven):
         self.vocab_size = min(m.vocab_size for m in self.models.values())
         self.scheduler = Scheduler(limits)
         self.planner = planner
-        self.groups = Groups(groups)        # two groups, one stepping while the other is drafted ahead
         self.plain_from_batch = plain_from_batch   # from this many running rows, fixed-k drafting decodes plainly
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
@@ -76,7 +72,6 @@ class Engine(Prefilling, CallerDriven):
         self._ended: list[Sequence] = []    # ended this step: still live until the step's flush released them
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
         self._planned_at: float | None = None   # when the last planned step began, while its period runs
-        self._resting: list[Sequence] = []   # running requests not stepping this step (the other group)
 
     @classmethod
     def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec, planner=None) -> "Engine":
@@ -88,7 +83,7 @@ class Engine(Prefilling, CallerDriven):
         return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
                    max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
-                   request_timeout_s=spec.request_timeout_s, groups=getattr(spec, "groups", "off"),
+                   request_timeout_s=spec.request_timeout_s,
                    plain_from_batch=getattr(spec, "plain_from_batch", None), sampler=getattr(spec, "sampler", "batched"))
 
     # -- admission ----------------------------------------------------------------------------------
@@ -154,7 +149,7 @@ class Engine(Prefilling, CallerDriven):
         self._recover()
         if joined:
             self._prefill(joined)
-        running = self._group(self._runnable(ended), joined, now)
+        running = self._runnable(ended)
         self._begin(running)
         ended += self._postprocess(run_rounds(running, self.models, self.target, self._step_of, self.model_down))
         self._release()
@@ -185,17 +180,6 @@ class Engine(Prefilling, CallerDriven):
             ended.append(seq)
         return running
 
-    def _group(self, running: list[Sequence], joined: list[Sequence], now: float) -> list[Sequence]:
-        """The rows that step now (:mod:`cluster.engine.groups`); the draft side is told the rows that step next,
-        at their committed sequences and budgets, so it may draft their blocks while the target verifies."""
-        side = self.models.get(DRAFTS)
-        if side is None:
-            return running
-        grouped = self.groups.pays(len(running), side, self.planner, running)
-        running, self._resting = self.groups.split(running, grouped, fresh=joined, now=now)
-        side.ahead([(s.rid, list(s.ctx.tokens), s.req.max_new_tokens - len(s.generated)) for s in self._resting])
-        return running
-
     def _begin(self, running: list[Sequence]) -> None:
         """Count the step, open each request's step, and let the planner pick its draft lengths."""
         if not running:
@@ -206,7 +190,7 @@ class Engine(Prefilling, CallerDriven):
             seq.begin_step()
         self._plain_by_batch(running)
         if self.planner is not None:
-            self.planner.plan(running, stuck=self.stuck, resting=self._resting)
+            self.planner.plan(running, stuck=self.stuck)
             self._planned_at = time.perf_counter()      # the drafters' late prefill is part of the step's cost
             self._prefill_drafting(running)
 
@@ -247,11 +231,9 @@ class Engine(Prefilling, CallerDriven):
             self._observe(time.perf_counter())
 
     def _observe(self, now: float) -> None:
-        """Tell the groups (:mod:`cluster.engine.groups`) that the last step ended, and the planner the wall time of
-        the last planned step: from its plan to the start of the next step
+        """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
         (all the loop spends per step: emitting, flushing, served per-chunk streaming -- once per token when
         decoding plainly, once per block when speculating), or to its end when nothing was left running."""
-        self.groups.observe(now)
         if self._planned_at is not None:
             self.planner.observe(now - self._planned_at)
             self._planned_at = None

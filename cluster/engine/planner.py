@@ -204,23 +204,21 @@ class Planner:
             self._retry_at = self._plans + self.retry_every
             return False
 
-    def plan(self, running, stuck=None, resting=()) -> None:
+    def plan(self, running, stuck=None) -> None:
         """Set ``seq.ctx.planned_k`` for every running sequence whose strategy is load-aware, but those that
         ``stuck(seq)`` says step target-only whatever is planned (a model down).  A request whose drafters
-        hold no state yet is planned too: the engine prefills them only when it drafts.  ``resting``: running
-        requests that do not step now (the engine's other group, :mod:`cluster.engine.groups`): still live, so
-        their acceptance counts are not retired."""
+        hold no state yet is planned too: the engine prefills them only when it drafts."""
         self._settle()
-        groups: dict[str, list] = {}
+        by_drafter: dict[str, list] = {}
         for seq in running:
             if is_planned(seq) and not (stuck is not None and stuck(seq)):
-                groups.setdefault(seq.req.strategy.drafter, []).append(seq)
-        self.acceptance.retire({id(s) for g in groups.values() for s in g} | {id(s) for s in resting})
-        if not groups:
+                by_drafter.setdefault(seq.req.strategy.drafter, []).append(seq)
+        self.acceptance.retire({id(s) for g in by_drafter.values() for s in g})
+        if not by_drafter:
             return
         self._plans += 1
         ready, batch = self.ready(), len(running)
-        for drafter, seqs in groups.items():
+        for drafter, seqs in by_drafter.items():
             for seq in seqs:
                 self.acceptance.read(seq, drafter)
             g = self.alpha(drafter)

@@ -78,7 +78,7 @@ class Plays:
     def __init__(self, ks):
         self.ks, self.i = list(ks), 0
 
-    def plan(self, running, stuck=None, resting=()):
+    def plan(self, running, stuck=None):
         planned = [s for s in running if is_planned(s) and not (stuck and stuck(s))]
         for s in planned:
             s.ctx.planned_k = self.ks[min(self.i, len(self.ks) - 1)]

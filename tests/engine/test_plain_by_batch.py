@@ -18,7 +18,7 @@ from tests.support.exact import (TabularModel, VocabTokenizer, enumerate_outcome
 class NoPlans:
     """A planner with nothing to plan (no load-aware request): the engine then defers drafter prefills."""
 
-    def plan(self, running, stuck=None, resting=()):
+    def plan(self, running, stuck=None):
         pass
 
     def observe(self, seconds):

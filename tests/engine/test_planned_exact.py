@@ -21,7 +21,7 @@ class Scripted:
     def __init__(self, ks):
         self.ks, self.i = list(ks), 0
 
-    def plan(self, running, stuck=None, resting=()):
+    def plan(self, running, stuck=None):
         planned = [s for s in running if is_planned(s) and not (stuck and stuck(s))]
         for s in planned:
             s.ctx.planned_k = self.ks[self.i % len(self.ks)]

@@ -22,9 +22,9 @@ bet came true (Laplace), best first, at most ``rows`` branches per fill, each at
 when the speculator's answer came late (the spare core is busy: an answer must arrive within one verification)
 and rise again while answers are in time.
 
-A ``known`` entry bets on nothing: the engine steps its rows in two groups (:mod:`cluster.engine.groups`) and asks
-for the next block of each row of the group that does not step now, from its committed sequence; it is a hit
-whenever it arrives in time.
+A ``known`` entry bets on nothing: a miss step sends its own committed sequence before the coordinator drafts near
+(the speculator's ``then`` items, :meth:`cluster.core.draft.near_far.NearFarSide._outcome`); the block drafted
+from it is a hit whenever it arrives before near has drafted (:mod:`cluster.core.draft.race`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import NamedTuple
 from cluster.core.draft.programs import DraftBlock, DraftSpec
 
 KINDS = ("bonus", "reject", "known")
-KNOWN = ("known", -1, 0)     # the key of a block drafted from a committed sequence (no bet: the engine's two groups)
+KNOWN = ("known", -1, 0)     # the key of a block drafted from a committed sequence (no bet: a ``then`` item)
 
 
 class Branch(NamedTuple):

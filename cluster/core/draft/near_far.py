@@ -13,9 +13,6 @@ Each ``draft_batch``: read the speculator's answers that have arrived (never wai
 ``late``); per request take the block drafted from exactly the committed sequence (a hit), else draft near (first
 sending the committed sequences, :meth:`NearFarSide._outcome`), racing the answer (:mod:`cluster.core.draft.race`:
 taken the moment it lands, where exact); then send the speculator the blocks about to be verified (nothing awaited).
-With the engine's two groups (:mod:`cluster.engine.groups`) the fill holds no bets: the engine names the rows that
-step next (:meth:`NearFarSide.ahead`) and the speculator drafts their next blocks from their committed sequences
-(``known`` entries, with the spec and draft length of their last step), a hit whenever the answer is in time.
 A late or dead speculator leaves colocated speed.  Lossless: every block, near or far, is a draw of the draft
 program at the exact committed sequence it is verified against, with the distribution it was drawn from, made
 independently of the target's draws (:mod:`cluster.core.draft.cache`).  Only greedy requests are speculated unless
@@ -90,8 +87,6 @@ class NearFarSide(BatchedHandle):
         self._sent, self._sent_at = 0, 0.0             # the last fill's id (0: none) and when it left
         self._waiting: list[str] = []                  # the requests of a fill whose answer has not arrived
         self._released: list[str] = []
-        self._ahead: list[tuple] = []                  # the other group's requests (ahead), for this step's fill
-        self._last: dict[str, tuple] = {}              # rid -> (spec, limit) of its last draft call
         self._asked: set[str] = set()                  # the requests of the fill sent the step before (if any)
         self._judged = True                            # whether the last fill's answer tells the fan-out anything
 
@@ -117,7 +112,6 @@ class NearFarSide(BatchedHandle):
     def release(self, rid: str) -> None:
         self.near.release(rid)
         self.cache.drop(rid)
-        self._last.pop(rid, None)
         self._released.append(rid)
         if rid in self._waiting:                      # its answer can no longer be used (nor be late)
             self._waiting.remove(rid)
@@ -212,15 +206,9 @@ class NearFarSide(BatchedHandle):
             self.cache.counters.late_fills += 1
 
     def _send(self, items: list[tuple], out: list) -> None:
-        for rid, spec, limit, _ in items:
-            self._last[rid] = (spec, limit)
-        known = self._known()
         asked, self._asked = self._asked, set()
         if not self.link.up:                           # (a speculator that is down lost its state with it)
             self._released = []
-            return
-        if known:                                      # the other group's next blocks: no bets this step
-            self._fill(known, [KNOWN], max(it.limit for it in known))
             return
         fill_items = []
         for (rid, spec, limit, budget), block in zip(items, out if len(items) <= self.max_rows else []):
@@ -244,7 +232,7 @@ class NearFarSide(BatchedHandle):
         at c = 1).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
         if self._waiting or len(items) > self.max_rows or not self.link.up or self.fanout.backing_off:
             return
-        then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, known=True, then=True)
+        then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, then=True)
                 for rid, spec, limit, budget in items for st in [self.near.request(rid)]
                 if st.sampling.greedy and self._speculated(st) and self._worth(spec)]
         if then:
@@ -272,29 +260,3 @@ class NearFarSide(BatchedHandle):
         if self.link.send(fill):
             self._waiting = [it.rid for it in items]
             self._sent_at, self._judged, self._asked = time.perf_counter(), judged, set(self._waiting)
-
-    # -- two groups: the other group's next blocks, from their committed sequences ----------------------
-    @property
-    def drafts_ahead(self) -> bool:
-        return self.link.up
-
-    def ahead(self, items: list[tuple[str, list[int], int]]) -> None:
-        """The requests that step next (the engine's other group), ``(rid, committed sequence, budget)``: this
-        step's fill asks the speculator for their next blocks (:data:`KNOWN` entries) instead of bets."""
-        self._ahead = list(items)
-
-    def _known(self) -> list[FillItem]:
-        """Fill items for the requests named by :meth:`ahead` that drafted before (their last step's spec and draft
-        length are their next step's), at most their budget less the bonus token, for blocks :meth:`_worth` it."""
-        ahead, self._ahead = self._ahead, []
-        live = set(self.near.active_requests())
-        out = []
-        for rid, seq, budget in ahead:
-            if rid not in live or rid not in self._last:
-                continue
-            spec, limit = self._last[rid]
-            st = self.near.request(rid)
-            limit = min(limit, budget - 1)
-            if limit >= 1 and self._speculated(st) and self._worth(spec):
-                out.append(FillItem(rid, list(seq), st.sampling, st.seed, spec, [], limit, budget, known=True))
-        return out

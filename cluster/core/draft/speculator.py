@@ -11,10 +11,9 @@ rows.  The bonus branch continues the block itself and drafts one token more: it
 bonus, the rest its block (PEARL's pre-draft).  A branch is a request ``rid|i`` of that side, kept between fills:
 moving it to its next bet is one rollback to the common prefix and one extend (the drafters' caches are cropped,
 not refilled).  Blocks are at most ``Fill.depth`` tokens (the fan-out's choice: an answer must come within one
-verification).  A ``known`` item bets on nothing: its sequence is the one its request's next step drafts from (the
-engine's other group, :mod:`cluster.engine.groups`), drafted ``limit`` deep as branch ``rid|k``; a ``then`` item is
-a miss step's own sequence, sent before the coordinator drafts near: drafted as branch ``rid|0``, and the look-ahead
-(:meth:`Speculator.ahead`) then bets on the fill that verifies that block.
+verification).  A ``then`` item bets on nothing: it is a miss step's own sequence, sent before the coordinator
+drafts near, drafted ``limit`` deep as branch ``rid|0`` (a :data:`cluster.core.draft.cache.KNOWN` entry), and the
+look-ahead (:meth:`Speculator.ahead`) then bets on the fill that verifies that block.
 
 ``stop`` (asked between drafting rounds): a newer fill has arrived, give up.  Blocks are drawn from the
 speculator's own random streams, independent of the target's draws; a block is only used for the exact sequence
@@ -43,8 +42,8 @@ class FillItem:
     limit: int                   # the step's draft length (the next step asks the same)
     budget: int                  # tokens the request may still emit this step
     alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
-    known: bool = False          # ``seq`` is the request's next step's sequence (no block, no bets): draft ``limit``
-    then: bool = False           # known, and ``seq`` is this step's: the next fill bets on the block drafted here
+    then: bool = False           # ``seq`` is this step's (no block, no bets): draft ``limit``; the next fill bets
+                                 # on the block drafted here
 
 
 @dataclass
@@ -91,7 +90,7 @@ class Speculator:
     def fill(self, fill: Fill, stop=None) -> Reply:
         for rid in fill.released:
             self.release(rid)
-        items = [it for it in fill.items if it.block or it.known]
+        items = [it for it in fill.items if it.block or it.then]
         if not items or not fill.keys:
             self._next = None
             return Reply(fill.id, {})
@@ -111,7 +110,7 @@ class Speculator:
     def predicted(self, fill: Fill) -> bool:
         """Whether :meth:`ahead` is drafting (or drafted) for exactly ``fill``'s items: every item as predicted,
         whatever branches and depth the fill asks (see :meth:`ahead`)."""
-        items = [it for it in fill.items if it.block or it.known]
+        items = [it for it in fill.items if it.block or it.then]
         return bool(items and fill.keys) and not fill.released and all(
             self._pred.get(it.rid) == _drafts(it) for it in items)
 
@@ -140,7 +139,7 @@ class Speculator:
             if e is not None and it.then:            # the fill that verifies this very block comes next
                 pred.append(FillItem(it.rid, list(it.seq), it.sampling, it.seed, it.spec, list(e.block.tokens),
                                      it.limit, it.budget, e.block.alts))
-            elif e is not None and not it.known:
+            elif e is not None:
                 budget = it.budget - len(it.block) - 1
                 pred.append(FillItem(it.rid, list(e.expect), it.sampling, it.seed, it.spec, list(e.block.tokens),
                                      min(it.limit, budget - 1), budget, e.block.alts))
@@ -155,9 +154,9 @@ class Speculator:
         request whose branches were not all drafted in full (``stop``) gets none."""
         runs, where = [], []
         for it in items:
-            if it.known:                                  # the next step's own sequence: no outcome to bet on
+            if it.then:                                   # the step's own sequence: no outcome to bet on
                 if it.limit >= 1:
-                    runs.append((self._move(it, 0 if it.then else "k", it.seq), it.spec, it.limit, it.budget))
+                    runs.append((self._move(it, 0, it.seq), it.spec, it.limit, it.budget))
                     where.append((it, None))
                 continue
             for i, br in enumerate(candidates(it.block, it.alts, keys)):

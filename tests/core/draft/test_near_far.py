@@ -176,7 +176,7 @@ def test_a_committed_sequence_sent_before_near_drafts_is_drafted_and_looked_ahea
     keys = [("bonus", -1, 0), ("reject", 0, 0)]
     spec_ = Speculator({"d": TabularModel("d", 5, seed=3)}, alts=1)
     spec_.fill(Fill(1, [FillItem("r", [0, 1], greedy, 0, spec, [2, 3], 2, 10, [[4], [0]])], keys, depth=2))
-    then = FillItem("r", [0, 1, 4], greedy, 0, spec, [], 2, 9, known=True, then=True)
+    then = FillItem("r", [0, 1, 4], greedy, 0, spec, [], 2, 9, then=True)
     [known] = spec_.fill(Fill(2, [then], [KNOWN], depth=2)).entries["r"]
     near = DraftSide({"d": TabularModel("d", 5, seed=3)}, alts=1)
     near.prefill_batch([("r", [0, 1, 4], greedy, 0)])
@@ -234,24 +234,6 @@ def test_as_shipped_only_one_row_steps_are_speculated():
         blocks = side.draft_batch([(rid, spec, 2, 10) for rid in rids])
         assert all(len(b.tokens) == 2 for b in blocks)
         assert bool([f for f in sent if f.items]) == fills and side.max_rows == NearFarSide.MAX_ROWS == 1
-
-
-def test_the_other_groups_next_blocks_are_asked_for_only_where_worth_drafting_far():
-    """Two groups: the fill asks for the resting rows' next blocks (``KNOWN``), but, as for bets, not for a Max-Gram
-    drafter's blocks (drafted near in a fraction of a millisecond, less than a fill costs)."""
-    from cluster.models.maxgram import MagHandle
-    greedy, neural, mag = SamplingParams(0.0), DraftSpec("propose", ("d",)), DraftSpec("propose", ("mag",))
-    side = NearFarSide(DraftSide({"d": TabularModel("d", 5, seed=3), "mag": MagHandle(5)}),
-                       LocalLink(Speculator({"d": TabularModel("d", 5, seed=3), "mag": MagHandle(5)})),
-                       max_rows=BATCH)
-    side.prefill_batch([(rid, [0, 1], greedy, 0) for rid in ("a", "b", "c")])
-    side.draft_batch([("a", neural, 2, 10), ("b", mag, 2, 10)])           # their last steps' specs
-    side.poll()
-    sent = _recorded(side)
-    side.ahead([("a", [0, 1], 10), ("b", [0, 1], 10)])
-    side.draft_batch([("c", neural, 2, 10)])
-    known = [[it.rid for it in f.items] for f in sent if f.items and not f.items[0].then]   # (then: c's own)
-    assert known == [["a"]] and sent[-1].keys == [KNOWN]
 
 
 def test_a_look_ahead_given_up_keeps_nothing():

@@ -114,21 +114,3 @@ def test_a_dead_speculator_leaves_near_drafting_and_the_link_reconnects(tiny_eng
     assert link.connects == before + 1
     assert _generate(engine, "speculative", 24) == want
 
-
-def test_two_groups_through_the_actor_equal_autoregressive(tiny_engine, unit):
-    """The engine's two groups (cluster.engine.groups) with the speculator in its actor: the other group's next
-    blocks are asked far while this group is verified; greedy outputs equal autoregressive's, batched, and every
-    such fill was answered in time (a ``known`` hit) or counted late (drafted near, never waited for)."""
-    from cluster.engine.groups import Groups
-    _, engine, _ = unit
-    want = _generate(tiny_engine, "autoregressive")
-    side = engine.models[DRAFTS]
-    side.cache.clear()
-    before, engine.groups = engine.groups, Groups("on")
-    try:
-        assert _generate(engine, "speculative") == want
-    finally:
-        engine.groups = before
-    c = side.counters
-    assert c.hits["known"] + c.late > 0 and c.fills + c.late_fills > 0
-    assert not side.active_requests()
