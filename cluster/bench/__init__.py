@@ -23,7 +23,6 @@ _WHERE = {                                   # suite -> (module under cluster.be
     "edit": ("edit", "run"),
     "grammar": ("grammar", "run"),
     "gpu": ("gpu", "run"),
-    "simulate": ("simulate_suite", "run"),
 }
 
 
