@@ -24,7 +24,6 @@ _WHERE = {                                   # suite -> (module under cluster.be
     "grammar": ("grammar", "run"),
     "gpu": ("gpu", "run"),
     "shapes": ("shapes", "run"),
-    "simulate": ("simulate_suite", "run"),
 }
 
 

@@ -5,14 +5,13 @@
    decoding's on the same device (token for token), with tok/s and the ratio to autoregressive beside it.
 2. **Forward costs there.**  Each model's batched forward seconds by rows x new tokens, measured through the
    engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
-   and the drafter's cost over the target's one-token forward at the same batch, ``c``: the inputs that
-   :mod:`cluster.bench.projection`'s simulation takes as cited estimates today.
+   and the drafter's cost over the target's one-token forward at the same batch, ``c``.
 3. **Closed-loop load there** (:mod:`cluster.bench.load`, in-process, ``--concurrency``, default 1,4,16,32):
    autoregressive, fixed k, the load-aware planner and CS Drafting at each batch, on the device -- where a
    verification of k + 1 tokens costs little more than one token, the regime the planner should keep drafting in.
 4. **The production layout's shapes there** (CUDA only; :mod:`cluster.bench.gpu_shapes`): forward ms of a
-   70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the projection
-   (:mod:`cluster.bench.projection`) rerun on those measured costs in place of its cited ones.
+   70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the closed-form projection
+   (:mod:`cluster.bench.projection`) on those measured costs in place of its shipped ones.
 5. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
    coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.  It
    needs Ray and Serve where it runs; without them the command says so before measuring anything (docs/cluster.md,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.bench.projection import believed, project
+from cluster.bench.projection import project
 from cluster.bench.report import hop_columns, pct, print_table, save_concurrency_plot, write_results
 from cluster.bench.served_cells import in_process
 
@@ -156,9 +156,8 @@ def report(args, cfg, plan, cells) -> tuple[list[dict], list[dict], list[tuple]]
     write_results(summary, out, "bench_served_summary")
     plot(cells, plan.rows, plan.levels, runtimes, out / "bench_served.png")
     print(f"results written to {out / 'bench_served'}.{{csv,json,png}} and {out / 'bench_served_summary'}.{{csv,json}}")
-    print_table(project(), "projection for configs/production-70b.yaml's layout (simulated served step, inputs in "
-                           f"cluster/bench/projection.py: forward costs measured on a lent H200, the rest cited) -- "
-                           f"{believed()}")
+    print_table(project(), "projection for configs/production-70b.yaml's layout (one decode step, closed form on "
+                           "the per-step costs and acceptance rates in cluster/bench/projection.py)")
     checked = sum(len(cl.ok) for cl in cells.values())
     print(f"lossless (greedy): {checked - len(mismatches)}/{checked} outputs equal autoregressive's for the "
           f"same prompt" + ("" if not mismatches else "  <-- MISMATCH"))

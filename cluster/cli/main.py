@@ -102,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "comma-separated of ray, socket (default: transport both, served the config's)")
     b.add_argument("--requests-per-client", dest="requests_per_client",
                    help="served suite: requests per client per cell (default: max(2c, 8) requests per cell)")
-    b.add_argument("--measured", help="simulate suite: a served suite's bench_served.json to check the simulation "
-                   "against (unary cells; the front is fitted on autoregressive at c=1)")
     b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "
                    "(default 3600)")
 
