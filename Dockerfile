@@ -8,7 +8,7 @@
 # PyTorch's wheel index (https://download.pytorch.org/whl/<ACCELERATOR>), so the CPU image gets the CPU
 # torch wheel and a CUDA image the torch wheel built for its CUDA: pick a cuXYZ that both publish for
 # these versions. The image runs as the Ray image's non-root user `ray` (uid 1000, gid 100); KubeRay
-# starts `ray start` in it, so there is no ENTRYPOINT of ours. See README.md, "Kubernetes".
+# starts `ray start` in it, so there is no ENTRYPOINT of ours. See docs/operator-guide.md, "Kubernetes (KubeRay)".
 ARG RAY_VERSION=2.60.0
 ARG PYTHON_TAG=py311
 ARG ACCELERATOR=cpu

@@ -1,9 +1,9 @@
 """The draft-group actor: every drafter of a serving unit (and the Max-Gram drafter) in one Ray actor, behind
 the draft side (:class:`cluster.core.draft.side.DraftSide`).
 
-Why one actor for all drafters (docs/cluster.md, "The draft side"): a CS Drafting step makes ~8 dependent
+Why one actor for all drafters (docs/operator-guide.md, "Topologies"): a CS Drafting step makes several dependent
 drafter calls (a larger drafter reviews what the smaller ones and Max-Gram drafted); with one actor per
-drafter each was a round trip from the coordinator (~20 ms per step against a 4-7 ms target forward).
+drafter each would be a round trip from the coordinator, several per target forward.
 Here they are in-process calls, and the coordinator pays ONE round trip per step for the whole block,
 whatever the cascade's depth.  Drafters are small: they fit one process (on GPUs: one device) together.
 

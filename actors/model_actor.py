@@ -2,10 +2,9 @@
 
 The serving unit talks to it through :class:`cluster.serving.control.remote.RemoteHandle`: one ``step`` call per
 engine step carries the queued bookkeeping and one batched method for all of the step's requests
-(:mod:`actors.protocol`).  Per-step calls are plain Ray actor calls (about 1 ms round trip on the
-2-core development machine).  Ray Compiled Graphs cut that to ~0.1 ms, but their actor-side reader
-busy-waits: an idle compiled-graph actor was measured burning a whole core (2.99 s CPU in 3 s), which a
-unit of three or four actors on a small CPU box cannot afford; see docs/cluster.md.
+(:mod:`actors.protocol`).  Per-step calls are plain Ray actor calls.  Ray Compiled Graphs answer faster, but
+their actor-side reader busy-waits: an idle compiled-graph actor burns a whole core, which a unit of three or
+four actors on a small CPU box cannot afford (``specserve bench --suite transport`` measures both).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Bytes per step and request (embedded family, V = 4096): a ``draft_batch`` answer
 :class:`cluster.core.draft.programs.DraftBlock` -- 8 B per token when greedy or deterministic, the truncated
 support (16 B per kept token: id + float64 probability) under top-k / top-p, L x V x 4 B of logits only for untruncated sampling;
 a per-drafter ``propose`` of k tokens returns k x V x 4 B (16 KiB per token; 512 KiB for a 128k vocabulary),
-which is why verification runs where the target's logits are (see docs/cluster.md, "Bytes per step").
+which is why verification runs where the target's logits are (docs/operator-guide.md, "Topologies").
 """
 from __future__ import annotations
 

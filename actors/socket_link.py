@@ -2,8 +2,8 @@
 calls over one blocking connection instead of Ray actor calls.
 
 Why not a Ray actor call for this hop: a Ray call goes from the caller's core worker to the actor's task queue
-and back through the owner's reply path -- 0.6-0.7 ms of fixed cost on the 2-core development machine against a
-few tens of microseconds for a pickled block over a local socket (``specserve bench --suite transport``), paid
+and back through the owner's reply path -- a fixed cost many times that of a pickled block over a local socket
+(``specserve bench --suite transport`` measures both), paid
 once per step on the critical path -- and Ray serialises the reply only after the method returns, while the
 pre-draft thread the draft host starts then competes for the GIL.  A Ray Compiled Graph answers fast but both of
 its ends poll a core while they wait.  Here both ends block in the kernel (``recv``), burning nothing, and the

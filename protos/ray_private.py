@@ -60,9 +60,9 @@ def check_startup(needs_binding: bool, version: str | None = None) -> bool:
         raise RayVersionError(f"{why}: `specserve up` cannot bind gRPC to its configured host or serve it over "
                               f"TLS on it. Install ray[serve]=={WRITTEN_FOR}, or deploy with plain Serve "
                               "(`specserve serve-config` + `serve deploy`, or KubeRay), where the ingress "
-                              "terminates TLS (docs/cluster.md)")
+                              "terminates TLS (docs/operator-guide.md)")
     log.warning("%s: running plain Ray Serve -- no cancel forwarding while a chunk is sent, a lost replica "
-                "answers INTERNAL (docs/cluster.md)", why)
+                "answers INTERNAL (docs/operator-guide.md)", why)
     return False
 
 

@@ -14,8 +14,7 @@
    (:mod:`cluster.bench.projection`) on those measured costs in place of its shipped ones.
 5. **The served suite on the device** (``--runtime cluster``, with the in-process part by default): the unit's
    coordinator and draft actors ask Ray for a share of the GPU, which is what makes Ray show it to them.  It
-   needs Ray and Serve where it runs; without them the command says so before measuring anything (docs/cluster.md,
-   "Served on a lent H100": how it ran on an image that had neither).
+   needs Ray and Serve where it runs; without them the command says so before measuring anything.
 
 Without a CUDA device it stops (exit 2) and says so, unless ``--device cpu`` asks for the same procedure on the
 CPU: what the tests run, so that the command works the day a device is lent.  Results: ``gpu_*.{csv,json}``.

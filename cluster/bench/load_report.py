@@ -33,8 +33,7 @@ def phase_columns(phases: dict) -> dict:
     """In-process: the share of the run's step time in steps that admit requests (``join``) and in steps of fewer
     than c rows at its end (``drain``), and the tokens per ms of the steady steps of c rows (``full``): the part
     that tells one draft length from another.  Autoregressive rows emit in lockstep (two batched joins, no drain);
-    speculative rows drift apart, so a short closed loop measures their transients as much as their steady state
-    (docs/cluster.md, "At 16 rows the estimates were not biased")."""
+    speculative rows drift apart, so a short closed loop measures their transients as much as their steady state."""
     total = sum(v[1] for v in phases.values())
     if not total:
         return {"join_share": None, "drain_share": None, "full_tok_per_ms": None}

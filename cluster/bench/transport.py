@@ -8,8 +8,8 @@ V = 4,096): the round trip's median and p90 over ``--prompts`` x 100 calls to an
 each side burns -- per wall second while no call is in flight (idle), and per second the caller waits on a
 call that takes 20 ms (a drafting step) -- read from /proc for the actor and from the caller's own clock.
 
-This is the measurement behind the choice of transports (docs/cluster.md, "Where a served step goes"): a
-compiled graph answers ~20x faster than an actor call, but both of its ends poll a full core while they wait,
+This is the measurement behind the choice of transports: a
+compiled graph answers much faster than an actor call, but both of its ends poll a full core while they wait,
 which a machine whose coordinator, draft actor, Serve proxy and clients share two cores cannot give; a blocking
 socket (``cluster.draft_channel: socket``) answers fast and burns nothing while it waits.
 

@@ -1,5 +1,5 @@
 """``specserve up`` / ``down`` / ``client`` / ``serve-config``: run the serving cluster and talk to it (see
-docs/cluster.md)."""
+docs/operator-guide.md)."""
 from __future__ import annotations
 
 import os
@@ -183,7 +183,7 @@ def _tls(cert: str | None) -> dict:
 
 
 def metrics_urls() -> list[str]:
-    """Each live Ray node's metrics endpoint (Ray exports Serve's and ours there; docs/cluster.md)."""
+    """Each live Ray node's metrics endpoint (Ray exports Serve's and ours there; docs/operator-guide.md, "Metrics")."""
     import ray
     return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
             if n.get("Alive") and n.get("MetricsExportPort")]

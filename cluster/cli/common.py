@@ -25,8 +25,8 @@ def configure_threads() -> int:
     """Torch intra-op threads for everything the CLI runs: ``SPECSERVE_THREADS``, default 1.
 
     The models here are small: a forward pass is a few ms of many small ops, and on a shared 2-core
-    machine a 2-thread pool stalls whenever its second worker is descheduled. Measured, that made
-    speculative decoding 3-4x slower than with one thread, while plain decoding barely changed.
+    machine a 2-thread pool stalls whenever its second worker is descheduled, which slowed speculative
+    decoding far more than plain decoding.
     """
 
     n = check_int("SPECSERVE_THREADS", os.environ.get("SPECSERVE_THREADS", "1"), 1, 256)

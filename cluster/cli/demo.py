@@ -1,4 +1,4 @@
-"""``specserve demo``: the README's main job. Build the family if needed, complete held-out prompts with
+"""``specserve demo``: the first half of ``make serve``. Build the family if needed, complete held-out prompts with
 plain autoregressive decoding and the configured speculative strategy, greedily and at the demo's sampling
 settings, and print speed, acceptance and how many completions fell into a loop."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 
 #: the demo's sampling settings: chosen so that no completion of the demo's held-out prompts loops on the
-#: embedded family (README, "The demo"); speculative sampling is exact at any temperature / top-p
+#: embedded family; speculative sampling is exact at any temperature / top-p
 DEMO_TEMPERATURE = 0.8
 DEMO_TOP_P = 0.9
 

@@ -1,5 +1,5 @@
 """``specserve loadtest``: stages of load against a running cluster, the per-stage table and the files
-(see docs/cluster.md, "Load tests")."""
+(see docs/operator-guide.md, "Load tests")."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +33,7 @@ def add_loadtest_command(sub) -> None:
     p.add_argument("--http", help="HTTP base URL (default http://127.0.0.1:<cluster.http_port>)")
     p.add_argument("--app", help="Serve application, sent as gRPC metadata (default: cluster.app_name)")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--spec", help="YAML file of stages and request defaults (docs/cluster.md)")
+    how.add_argument("--spec", help="YAML file of stages and request defaults (docs/operator-guide.md)")
     how.add_argument("--stages", help='e.g. "rate=2:30s,rate=8:30s,c=16:20s:max=200:protocol=http"')
     how.add_argument("--concurrency", help="closed-loop stages, e.g. 1,4,16 (each --duration long)")
     how.add_argument("--rate", help="open-loop Poisson stages in requests/s, e.g. 1,2,4 (each --duration long)")
@@ -129,7 +129,7 @@ def cmd_loadtest(args) -> int:
     replicas = None
     if args.ray_address:
         try:
-            use_token(args.ray_address)        # the cluster's Ray token (docs/cluster.md, "Security")
+            use_token(args.ray_address)        # the cluster's Ray token (docs/operator-guide.md, "Secure")
             connect_ray(args.ray_address)
         except ConnectionError as e:
             print(f"specserve: loadtest: cannot join the Ray cluster at {args.ray_address} to count replicas: "

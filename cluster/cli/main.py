@@ -1,4 +1,4 @@
-"""``specserve`` command line: generate, zoo, bench, demo, loadtest.
+"""``specserve`` command line: generate, zoo, bench, results, demo, loadtest.
 
 Bad arguments print one line naming the parameter, its allowed range and the value, and exit 2.
 """
@@ -16,6 +16,7 @@ from cluster.cli.common import EXIT_USAGE, configure_threads, load_built_config
 from cluster.cli.cs import add_cs_commands, run_cs_command
 from cluster.cli.demo import add_demo_command, cmd_demo
 from cluster.cli.loadtest import add_loadtest_command, cmd_loadtest
+from cluster.cli.results import add_results_command, cmd_results
 from cluster.cli.serve_config import add_serve_config_options, cmd_serve_config
 from cluster.config.paths import default_cache_dir
 from cluster.errors import ConfigError, ParamError, check_int
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "
                    "(default 3600)")
 
+    add_results_command(sub)                     # results: bench output -> docs/results.md
     add_demo_command(sub, _add_config)
     add_cluster_commands(sub)                    # up, down, client
     add_serve_config_options(sub.choices["serve-config"])
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.cluster:
                 args.suite = "cluster"
             return cmd_bench(args)
+        if args.command == "results":
+            return cmd_results(args)
         if args.command == "demo":
             return cmd_demo(args)
         if args.command in ("train-head", "tune", "mag"):

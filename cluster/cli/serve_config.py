@@ -1,5 +1,5 @@
 """``specserve serve-config``: the Ray Serve config of a specserve config, printed, or written into a KubeRay
-RayService manifest with the config inline (k8s/; docs/cluster.md, "Kubernetes").
+RayService manifest with the config inline (k8s/; docs/operator-guide.md, "Kubernetes (KubeRay)").
 
 Why inline rather than a mounted ConfigMap: KubeRay compares ``serveConfigV2`` and re-applies it in place
 under every upgrade strategy, so an edit of the manifest redeploys the application with the new config (Serve

@@ -31,7 +31,7 @@ TOPOLOGIES = ("auto", "separated", "colocated", "speculator")
 # step), or in an actor of its own (isolates it; costs a round trip per step).  A TP target is always actors.
 TARGET_PLACEMENTS = ("coordinator", "actor")
 # How the coordinator's per-step draft call reaches the draft-group actor (separated): a Ray actor call, or one
-# blocking socket the actor opens through Ray (cluster/serving/control/socket_channel.py; docs/cluster.md)
+# blocking socket the actor opens through Ray (cluster/serving/control/socket_channel.py; docs/operator-guide.md)
 DRAFT_CHANNELS = ("ray", "socket")
 
 
@@ -68,9 +68,10 @@ def check_host(path: str, host: str) -> str:
 class ActorResources:
     """Ray resources of one actor (for a TP target: of each rank); ``threads`` = torch threads.
 
-    Placement (docs/cluster.md, "Many nodes"): ``resources`` asks for custom Ray resources (a node started
-    with ``ray start --resources '{"node_drafters": 1}'`` offers them), ``labels`` for node labels (``ray start
-    --labels accel=h100``; Ray's ``label_selector``).  Either pins the role to the nodes that have them."""
+    Placement (docs/operator-guide.md, "A Ray cluster of many nodes"): ``resources`` asks for custom Ray resources
+    (a node started with ``ray start --resources '{"node_drafters": 1}'`` offers them), ``labels`` for node labels
+    (``ray start --labels accel=h100``; Ray's ``label_selector``).  Either pins the role to the nodes that have
+    them."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -195,7 +196,7 @@ class ClusterSpec:
     drain_timeout_s: float = 120.0    # a unit being removed finishes its requests for up to this long
     app_name: str = "specserve"
     grpc_port: int = 9000
-    # where `specserve up`'s gRPC proxy listens (docs/cluster.md, "Security"): loopback unless named; TLS when
+    # where `specserve up`'s gRPC proxy listens (docs/operator-guide.md, "Secure"): loopback unless named; TLS when
     # both PEM files are set.  KubeRay / `serve deploy` ignore these (Serve binds [::]; TLS at the ingress).
     grpc_host: str = "127.0.0.1"
     grpc_tls_cert: str | None = None
@@ -205,7 +206,7 @@ class ClusterSpec:
     # Serve proxies: on every node (KubeRay's worker readiness asks the local one) or the head only (one
     # machine running several Ray nodes: their proxies would compete for the same ports)
     proxy_location: str = "EveryNode"
-    # auth (docs/cluster.md, "Security"): the API key from this file (a mounted secret) if set, else from the
+    # auth (docs/operator-guide.md, "Secure"): the API key from this file (a mounted secret) if set, else from the
     # environment variable; neither: auth off.  The operator key also sees other clients' request ids.
     api_key_env: str = "SPECSERVE_API_KEY"
     api_key_file: str | None = None
@@ -258,14 +259,10 @@ class ClusterSpec:
         """(``separated``, ``colocated`` or ``speculator``, why): the topology ``auto`` stands for, decided here only.
         Where the draft side has a whole device of its own (``drafters.num_gpus >= 1``: GPU nodes) drafting in its
         own actor runs beside verification.  A fraction of a GPU is no device of its own: Ray may pack the fractions
-        onto one device, where the draft actor's kernels time-share it with the target's -- on one lent H100 with
-        every actor at 0.25 of it, separated served 0.80-1.02x colocated's tok/s at c = 1 in two runs
-        (docs/cluster.md, "Served on a lent H100").  Where it has none, a draft actor on the critical path shares
-        the CPU cores (or the device) verification, Serve's proxy and the clients use; the near drafter keeps
-        drafting in the coordinator (no round trip on a miss) and a speculator actor drafts ahead on a spare core
-        (docs/cluster.md, "Near drafter, far speculator").  That bet needs a spare core; on the 2-core development
-        machine it measured level with colocated at every load, within the cells' noise (configs/local.yaml ships
-        ``auto``)."""
+        onto one device, where the draft actor's kernels time-share it with the target's.  Where it has none, a draft
+        actor on the critical path shares the CPU cores (or the device) verification, Serve's proxy and the clients
+        use; the near drafter keeps drafting in the coordinator (no round trip on a miss) and a speculator actor
+        drafts ahead on a spare core (docs/operator-guide.md, "Topologies")."""
         if self.topology != "auto":
             return self.topology, "named in the config"
         if self.drafters.num_gpus >= 1:

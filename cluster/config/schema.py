@@ -78,7 +78,7 @@ class EngineSpec:
     kv_memory_fraction: float = 0.9
     device_memory_gib: float | None = None
     request_timeout_s: float | None = 600.0  # server-side deadline: a request still running then is stopped
-    # drafting the next block while the target verifies this one (PEARL's post-verify; docs/cluster.md):
+    # drafting the next block while the target verifies this one (PEARL's post-verify; docs/operator-guide.md):
     # auto = where the draft side has a process of its own (the separated topology), on = also in-process
     # (no concurrency there: for tests), off = never
     overlap: str = "auto"

@@ -46,7 +46,7 @@ class MaxGramIndex:
     positions ``<= len(seq) - 2``, so any hit for a suffix of the sequence is an *earlier* occurrence (never the
     suffix itself).  Appended tokens are indexed lazily, at the next query: a drafter's own drafts are appended
     and mostly rolled back before anything asks, and indexing each of them only to undo it was most of the
-    index's work (in-process at 16-32 rows, Max-Gram took 12-20 % of a mag or cs_drafting step).
+    index's work.
     """
 
     def __init__(self, ids: Sequence[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM, occurrence: str = "recent",

@@ -10,8 +10,7 @@ k = 4 it reads 0.59.
 
 w is 16 trials (about four steps of k = 4), not fewer: a request that decodes plainly drafts no more, so its
 estimate cannot recover from its first steps, where drafts miss most (the first tokens after a prompt); with
-a weight of a single step, a few such steps took requests to plain decoding for the rest of their life
-(docs/cluster.md, "The planner's estimates, mended", item 7).
+a weight of a single step, a few such steps took requests to plain decoding for the rest of their life.
 """
 from __future__ import annotations
 
@@ -102,7 +101,6 @@ class Acceptance:
         counts, and its first steps must correct that: a band that decodes plainly on an uncalibrated model drafts
         again only through its probes (one probe run of a few steps must be enough).  One pseudo-token was too
         few the other way: a drafter's first step in a process, cold and at the hardest tokens, could read a
-        scale low enough to send a fresh band to plain decoding for dozens of plans (docs/cluster.md, "The
-        planner's estimates, mended", item 8)."""
+        scale low enough to send a fresh band to plain decoding for dozens of plans."""
         pairs = self._drafted.get(drafter, ())
         return (sum(m for m, _ in pairs) + SCALE_PRIOR) / (sum(e for _, e in pairs) + SCALE_PRIOR) if pairs else 1.0

@@ -16,7 +16,7 @@ measured / modelled drafted tokens over its last drafting steps in any band (``A
 drafts a block where the model counts k) -- not the arm's own last token samples: with a drafter whose
 acceptance comes in stretches (Max-Gram), an arm's last samples are a few probe runs of correlated steps, and a
 stretch of misses read as a k > 0 that commits little kept a band on plain decoding where fixed k won
-(docs/cluster.md, "The planner's estimates, mended", has the numbers).
+(``specserve bench --suite load`` measures both).
 Where a band of the same drafter at most two bands away has ``prior_samples`` time samples of arm k
 (:func:`nearby`), R_k is the nearest such band's: a band the batch enters for the first time starts from what
 its neighbour measured -- at 16 rows, that speculation lost at 8 -- rather than from the cost model, which
@@ -103,7 +103,7 @@ def borrow(band: Band, p: Pending, k: int) -> float:
     it (the nearer one's beyond them); where no k > 0 is measured, the ratio that adds plain decoding's excess
     seconds over its modelled ones to k's modelled seconds (the engine's per-row work adds to a step rather than
     multiplying it: lent as the cost model's ratio 1, an unmeasured k > 0 looked better than plain decoding where
-    it was not; docs/cluster.md, "The planner's estimates, mended"); 1 (the cost model) when nothing is measured."""
+    it was not); 1 (the cost model) when nothing is measured."""
     near = {j: statistics.median(r) for j, r in band.times.items() if j > 0 and j != k and r}
     lo, hi = max((j for j in near if j < k), default=None), min((j for j in near if j > k), default=None)
     if lo is not None and hi is not None:
@@ -140,7 +140,7 @@ def affordable(band: Band, budget: float, every: int) -> bool:
     """Whether the plain ``band`` may start a scheduled probe: its exploring so far within its share of its
     observed wall time.  The share is ``budget`` while the band probes every ``every`` plans, and shrinks in step
     as its interval backs off (every neighbour tried and lost): at 32 rows a band that never speculates would
-    otherwise pay the whole budget for good (docs/cluster.md, "The planner's estimates, mended", item 9)."""
+    otherwise pay the whole budget for good."""
     return band.probe_seconds <= budget * every / max(band.interval, every, 1) * band.seconds
 
 

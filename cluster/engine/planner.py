@@ -3,7 +3,7 @@
 A speculative step is worth its extra target tokens only while the target forward is cheap in tokens: a
 batch of rows costs far less than its rows one by one, and at high batch a verification of k + 1 tokens
 costs a multiple of a decoding step (the target's ``ForwardCost`` as :mod:`cluster.engine.measure` measures it;
-docs/cluster.md has measured numbers).  The open-loop cost model alone misprices a step (the drafter's catch-up
+``specserve bench --suite load`` measures it).  The open-loop cost model alone misprices a step (the drafter's catch-up
 after plain steps, the engine's own work per round, round trips, noise), so the planner measures what its
 choices really yield and moves toward what measures best, in the spirit of vLLM's batch-size-dependent draft
 length and SGLang's adaptive speculation, of nano-PEARL's per-batch-size draft length (gamma) profile, and of
@@ -34,8 +34,7 @@ two samples: committed tokens per row (which calibrate the acceptance model, ``A
 modelled step seconds, which carry what the forward costs miss (the engine's own work, round trips).  The step where a
 drafter's k changes gives no time sample: its draft call first catches the drafter up on the tokens of the
 plain steps before it, and had no block pre-drafted during the last verification (separated topology), so
-it costs what switching costs, not what k costs; a one-step probe would be only such a step (docs/cluster.md,
-"The load-aware planner served"); hence runs of ``probe_run`` plans.
+it costs what switching costs, not what k costs; a one-step probe would be only such a step; hence runs of ``probe_run`` plans.
 
 **Choice** (:func:`cluster.engine.arms.choose`): the best measured goodput estimate
 ``B_g * E_k / (S_k * R_k)``, the cost model standing in for arms with too few samples; k > 0 must beat

@@ -66,8 +66,8 @@ class Prefilling:
         cs_drafting: ``plain_steps``) step as plain decoding (``ctx.planned_k = 0``: a target-only step, the
         target's law exactly; the draft side is not called and catches up when drafting resumes), below it they
         draft again.  On a device where the target is compute bound at that batch, a verification costs about
-        what its tokens cost as plain steps, so drafting only adds work (docs/cluster.md, "Plain from a batch
-        size").  Load-aware requests are left to the planner."""
+        what its tokens cost as plain steps, so drafting only adds work (docs/operator-guide.md,
+        "Batching").  Load-aware requests are left to the planner."""
         if self.plain_from_batch is None:
             return
         plain = len(running) >= self.plain_from_batch

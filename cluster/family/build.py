@@ -11,10 +11,10 @@ scratch, on CPU, in a few minutes, from the Python standard library's source
 2. train ``target`` (a deep, narrow ``LlamaForCausalLM``) with cross-entropy.
    At this scale progress is limited by optimizer steps, and two choices buy
    the most per minute: forward passes under bfloat16 autocast (weights and
-   optimizer state stay float32; ~1.7x faster steps here), and untied input
+   optimizer state stay float32: faster steps on CPU), and untied input
    and output embeddings trained at 25x the blocks' learning rate (each
-   embedding row sees few updates; held-out loss 4.22 vs 5.01 tied at 500
-   steps in the experiments behind the v2 preset).  Its last ``instruct_steps``
+   embedding row sees few updates; tied embeddings reached a clearly worse
+   held-out loss in the experiments behind the v2 preset).  Its last ``instruct_steps``
    batches also hold ``instruct_rows`` rows of instruction pairs
    (:mod:`cluster.family.instruct`: a train-split function's docstring or
    leading comment as a served chat request, the function as the answer, loss

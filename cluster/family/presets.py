@@ -103,11 +103,9 @@ class ZooConfig:
 
 
 PRESETS: dict[str, ZooConfig] = {
-    # v2: ~10 min on 2 idle CPU cores (16 min with a second build sharing them).  Chosen with
-    # experiments at 500 target steps (held-out loss: tied embeddings at lr 2e-3, 5.01; 4e-3, 5.17; 8e-3, 5.40;
-    # untied at 25-40x the blocks' lr, 4.22-4.24) and three full builds: a 12-layer target makes a 2-layer
-    # drafter-large cost <= 0.3 of a target call at batch 16 too (a 10-layer one: 0.29-0.31), a 1-layer
-    # drafter-large agreed on only 0.67 of positions, and a 1 x 64 drafter-small on 0.47.
+    # Chosen with short experiments and full builds: untied embeddings at 25-40x the blocks' lr reached a far lower
+    # held-out loss than tied ones at any lr; a 12-layer target keeps a 2-layer drafter-large cheap against a
+    # target call at batch 16 too; 1-layer drafters agreed with the target too rarely.
     "full": ZooConfig(
         preset="full",
         vocab_size=4096,
@@ -129,8 +127,8 @@ PRESETS: dict[str, ZooConfig] = {
         distill_batch=4,
         distill_lr=2e-3,
         # v3: the last 900 target steps and every distillation step add 2 rows of instruction pairs (4,745
-        # pairs): 12/16 greedy chat answers to held-out requests parse (600 steps: 11/16; v2: 0/16); results and
-        # build time in README.md, "v3: a family that can chat"
+        # pairs), loss on the answers only, so the family answers a chat request with code (`specserve zoo info`
+        # reports how many greedy answers to held-out requests parse)
         instruct_rows=2,
         instruct_steps=900,
     ),

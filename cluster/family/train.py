@@ -95,8 +95,8 @@ def _lr_lambda(steps: int, warmup_frac: float, min_frac: float):
 
 
 def _autocast(cfg: ZooConfig):
-    """Forward passes of training in bfloat16 on CPU when the preset asks for it (about 1.7x faster steps
-    here); parameters, gradients and optimizer state stay float32."""
+    """Forward passes of training in bfloat16 on CPU when the preset asks for it (faster steps on CPU);
+    parameters, gradients and optimizer state stay float32."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train_autocast == "bfloat16")
 
 

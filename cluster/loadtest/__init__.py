@@ -1,5 +1,5 @@
 """``specserve loadtest``: open-loop (Poisson) and closed-loop (concurrency) load against a running cluster,
-over gRPC and HTTP, reported per stage like ``vllm bench serve`` (see docs/cluster.md, "Load tests").
+over gRPC and HTTP, reported per stage like ``vllm bench serve`` (see docs/operator-guide.md, "Load tests").
 
 The load comes from locust, headless, in a child process (:mod:`cluster.loadtest.worker`: locust
 monkey-patches the process it runs in, so nothing here imports it); this package's other modules need no

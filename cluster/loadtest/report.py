@@ -38,7 +38,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_markdown(rows: list[dict]) -> str:
-    """The same table as Markdown (for notes and the README)."""
+    """The same table as Markdown (for notes and docs)."""
     lines = ["| load | proto | strategy | sent/s | ok / sent | failed | req/s | out tok/s | TTFT p50/p99 ms | "
              "TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |", "|" + "---|" * 12]
     for r in rows:

@@ -1,8 +1,8 @@
 """Grammars for constrained decoding on llguidance (the Rust grammar engine of Guidance, vLLM's ``guidance``
 structured-output backend), behind the core's :class:`cluster.core.constraint.Grammar` / ``Constraint``.
 
-Chosen over xgrammar and outlines-core (measured per step and per schema, docs/cluster.md "Structured
-output"): no dependencies (xgrammar pulls triton; outlines-core cannot express recursive schemas), a new
+Chosen over xgrammar and outlines-core (measured per step and per schema by ``specserve bench
+--suite grammar``): no dependencies (xgrammar pulls triton; outlines-core cannot express recursive schemas), a new
 schema costs about a millisecond (its token masks are computed lazily, where xgrammar compiles ~1 s per
 schema at an 85k vocabulary: every agent request brings its own tool schemas), a mask costs tens of
 microseconds per step, and rollback and Lark grammars with embedded JSON schemas (``%json``: a tool call's

@@ -15,16 +15,12 @@ the window (:mod:`cluster.models.support`), so rollback stays bookkeeping and ev
 the price is memory, up to (capacity - window) positions per sliding layer and slot that are never read.
 
 The rows' view: when the rows are one slot range, attention gets ``keys[first:first+B, :, :T]`` as a strided
-view once the rows' keys take ``_VIEW_BYTES`` (6 MiB) or more, and a contiguous copy of it below that.  Measured
-on a whole forward of the family v3 target (Hkv 6, D 32, float32, 12 layers; one torch thread, AMD EPYC with
-2 MiB L2 and 32 MiB L3; logits bit-identical), view time / copy time, n = 1 and n = 5 new tokens per row:
-B 32, T 448, capacity 512: 0.74 / 0.79; B 32, T 512, capacity 1024: 0.74 / 0.78; B 32, T 320: 0.86 / 0.93;
-B 16, T 512: 0.83 / 0.96; B 32, T 256: 0.98 / 0.91.  Below 6 MiB the view was 1.04-1.11x slower at n = 1
-(B 16-32, T 64-256): the copy's streaming read leaves the rows in cache for sdpa, while sdpa's own reads of
-the view are cold.  A ``[S, C, Hkv, D]`` layout (sdpa on a transposed view) was 1.06-1.57x the copy at n = 1.
-One layer timed alone (hot caches) favours the view at every size and misleads.  End to end (in-process,
-configs/local.yaml, 2c requests x 384 greedy tokens) the threshold gave 1.13x tok/s autoregressive and 1.08x
-speculative (k = 4) at c = 32, 0.99x at c = 1 (always a copy); at 64 tokens no forward reaches 6 MiB.
+view once the rows' keys take ``_VIEW_BYTES`` (6 MiB) or more, and a contiguous copy of it below that (logits
+bit-identical either way).  Timed on whole forwards of the embedded family's target, the view is faster for large
+batches of long rows, and slower below the threshold, where the copy's streaming read leaves the rows in cache for
+sdpa while sdpa's own reads of the view are cold; a ``[S, C, Hkv, D]`` layout (sdpa on a transposed view) was
+slower than the copy.  One layer timed alone (hot caches) favours the view at every size and misleads: time whole
+forwards when moving the threshold.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every manifest in k8s/ against the KubeRay CRD schemas (tests/k8s/crds/, unknown fields rejected), the
 Kubernetes schemas (kubernetes-validate) and the rules a RayService must follow beyond them; and
-each validator rejecting a broken manifest. No cluster is needed (docs/cluster.md, "Kubernetes")."""
+each validator rejecting a broken manifest. No cluster is needed (docs/operator-guide.md, "Kubernetes (KubeRay)")."""
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,5 @@
-"""The production RayService offers the node labels its config's placement asks for (docs/cluster.md, "Many
-nodes"): every role with ``labels`` fits a worker group whose Ray node labels include them."""
+"""The production RayService offers the node labels its config's placement asks for (docs/operator-guide.md,
+"A Ray cluster of many nodes"): every role with ``labels`` fits a worker group whose Ray node labels include them."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -61,7 +61,7 @@ def test_cli_client_chat(served, capsys):
 
 
 def test_sdk_predicted_output_edit(sdk, served):
-    """A predicted-output edit as the README shows it: the SDK's own ``prediction`` parameter, its usage details,
+    """A predicted-output edit as docs/operator-guide.md shows it: the SDK's own ``prediction`` parameter, its usage details,
     the answer unchanged by the prediction (greedy), vLLM's speculative metrics read from the raw body; and the
     same prediction over gRPC."""
     cfg, client = sdk

@@ -118,8 +118,8 @@ def test_option_errors(options, pattern):
 
 
 def test_named_defaults():
-    """The defaults the README table names: the paper's K-matrix reading and lenience setting (measured
-    equal or faster here), ours for the Max-Gram occurrence (a served drafter's config) and GenSpecSample's bonus."""
+    """The defaults the README's strategy table names: the paper's K-matrix reading and lenience setting, ours for
+    the Max-Gram occurrence (a served drafter's config) and GenSpecSample's bonus."""
     cs = resolve_options("cs_drafting", {}, {})
     assert (cs["kmatrix_unit"], cs["mag_lenience"]) == ("tokens", "off")
     assert resolve_options("spec_cascade", {}, {})["bonus"] == "p"

@@ -74,7 +74,7 @@ class NearFarSide(BatchedHandle):
     """See the module docstring.  ``near``: the coordinator's draft side (overlap off); ``link``: the speculator."""
 
     name = DRAFTS
-    MAX_ROWS = 1    # fills for one-row steps only: with more, served measured slower (docs/cluster.md, "How many rows")
+    MAX_ROWS = 1    # fills for one-row steps only: for more rows they take the cores verification and the front use
 
     def __init__(self, near: DraftSide, link: SpeculatorLink, *, fanout: FanOut | None = None,
                  sampled: bool = False, max_rows: int = MAX_ROWS):
@@ -228,8 +228,7 @@ class NearFarSide(BatchedHandle):
     def _outcome(self, items: list[tuple]) -> None:
         """A miss step with no answer awaited (bets wrong, or a first draft) sends its committed sequences before near
         drafts (``then`` items): the speculator drafts the same blocks alongside, then bets on their verification at
-        once, not from the fill sent once near has drafted (that came late 38 % of the time after a rejection, served
-        at c = 1).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
+        once, not from the fill sent once near has drafted (which often came late after a rejection).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
         if self._waiting or len(items) > self.max_rows or not self.link.up or self.fanout.backing_off:
             return
         then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, then=True)
@@ -241,7 +240,7 @@ class NearFarSide(BatchedHandle):
             self._asked = asked
 
     def _worth(self, spec) -> bool:
-        """Whether ``spec``'s blocks are worth drafting far (measured served, docs/cluster.md): not for the Max-Gram
+        """Whether ``spec``'s blocks are worth drafting far (measured served: ``specserve bench --suite served``): not for the Max-Gram
         drafter alone -- it drafts a block in a fraction of a millisecond, less than a fill costs the coordinator
         (building and sending it, reading the answer) -- nor for a cascade (CS Drafting), whose fill takes longer
         than a verification, so its blocks came late or cut to the fan-out's depth, shorter than near drafts them."""

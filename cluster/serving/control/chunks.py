@@ -110,10 +110,7 @@ class ChunkBox:
     emptied by the reader on ``loop``.  Woken through ``delivery`` at the end of the step (or at once without
     one); a box already waiting for its wake-up is not woken twice.  ``wake_on``: only the items it holds true
     of wake the reader (the others wait for the next one that does; :func:`wake_rule`).  The loop's Python then
-    no longer runs beside every step, contending for the GIL: served at c = 1, the replica's engine took
-    1.04-1.06x the in-process engine's time for a 64-token unary request with a wake-up a step and 1.00x with
-    one a request; a stream 1.03-1.07x and 1.02-1.03x (requests interleaved one by one, docs/cluster.md,
-    "The Serve path, hop by hop")."""
+    no longer runs beside every step, contending for the GIL with the step thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delivery: StepDelivery | None = None,
                  wake_on: Callable[[object], bool] | None = None):

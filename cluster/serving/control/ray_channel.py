@@ -2,8 +2,7 @@
 
 A :class:`RayChannel` is one model actor, or the rank actors of a tensor-parallel group (every call goes to
 every rank, in the same order, and rank 0's answer is returned).  Per-step calls are plain Ray actor calls
-(about 1 ms round trip on the 2-core development machine; :mod:`actors.model_actor` says why not compiled
-graphs).  Ray is imported inside the methods: the module loads without it.
+(:mod:`actors.model_actor` says why not compiled graphs).  Ray is imported inside the methods: the module loads without it.
 """
 from __future__ import annotations
 

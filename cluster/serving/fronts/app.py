@@ -157,7 +157,7 @@ class SpecServeDeployment:
 # -- deploying -------------------------------------------------------------------------------------
 def build_app(cfg: Config):
     """The bound Serve application for ``cfg`` (one deployment; replicas = serving units).  On a Ray other than
-    the one protos/ray_private.py was written for it runs as plain Serve (one warning; docs/cluster.md)."""
+    the one protos/ray_private.py was written for it runs as plain Serve (one warning; docs/operator-guide.md)."""
     from ray import serve
     check_startup(needs_binding=False)
     # serve.ingress() without an app: Serve builds it per replica with __serve_build_asgi_app__; the gRPC

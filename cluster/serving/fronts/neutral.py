@@ -112,7 +112,7 @@ def typed(cls: type[BaseModel], body: Any, endpoint: str, table: dict[str, tuple
             name = key if key.isidentifier() and len(key) <= 64 else shown(key, 64)
             raise ParamError(name, f"unset: not a parameter of {endpoint} (its parameters: "
                              + ", ".join(cls.model_fields) + "; and at their neutral value only: n, best_of, "
-                             "presence_penalty, repetition_penalty, ... (docs/cluster.md))", body[key])
+                             "presence_penalty, repetition_penalty, ... (docs/operator-guide.md))", body[key])
     try:
         return cls.model_validate(body)
     except ValidationError as e:

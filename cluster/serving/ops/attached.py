@@ -1,5 +1,5 @@
 """An attached ``specserve up`` and the ``specserve down`` that stops it: one owner for every shutdown step
-(docs/cluster.md, "Stopping").
+(docs/operator-guide.md, "One machine").
 
 An attached ``up`` (no ``--detach``) stays in the foreground as a Ray driver and, unless it joined a cluster with
 ``--address``, as the owner of the Ray head it started.  Stopping it is four steps, each needing the ones before

@@ -1,4 +1,4 @@
-"""API keys for the serving endpoints (docs/cluster.md, "Security").
+"""API keys for the serving endpoints (docs/operator-guide.md, "Secure").
 
 A replica reads its keys once at start-up: the API key from ``cluster.api_key_file`` (a mounted secret) if
 set, else from the environment variable ``cluster.api_key_env``; the operator key from

@@ -1,6 +1,6 @@
 """A Ray worker-process setup hook: Serve's gRPC listeners on the address we choose, with TLS when configured.
 
-Why a hook (docs/cluster.md, "Security"): Ray Serve 2.60's ``gRPCOptions`` has a port but no host and no
+Why a hook (docs/operator-guide.md, "Secure"): Ray Serve 2.60's ``gRPCOptions`` has a port but no host and no
 server credentials.  Its proxy binds ``[::]:port`` in plaintext (``ray.serve._private.grpc_util.
 start_grpc_server`` -> ``default_impl.add_grpc_address``) and every replica binds its inter-deployment gRPC
 server to ``[::]:0`` (``ray.serve._private.replica``), whatever the node's address.  ``specserve up`` passes

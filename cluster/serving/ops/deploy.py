@@ -41,7 +41,7 @@ def serve_config(cfg: Config, config_path: str, *, proxy_location: str | None = 
     return {"proxy_location": proxy_location or cl.proxy_location,
             "http_options": {"host": cl.http_host, "port": cl.http_port},
             # enable_reflection: the proxy answers gRPC server reflection itself (grpcurl and Postman list and call
-            # the services without the proto file; docs/cluster.md); Ray's default, written out so it is seen
+            # the services without the proto file; docs/operator-guide.md); Ray's default, written out so it is seen
             "grpc_options": {"port": cl.grpc_port, "grpc_servicer_functions": list(GUARDED_SERVICER_FUNCTIONS),
                              "enable_reflection": True},
             "applications": [{"name": cl.app_name, "route_prefix": "/", "import_path": APP_BUILDER,

@@ -1,5 +1,5 @@
 """Start and stop the Ray nodes ``specserve up`` runs on, and Ray's token authentication for every process that
-talks to them (docs/cluster.md, "Security").
+talks to them (docs/operator-guide.md, "Secure").
 
 **Token authentication** (Ray >= 2.52, ``RAY_AUTH_MODE=token``): every gRPC call into the GCS, a raylet or a
 worker must carry the cluster's token; a driver or a joining node without it is refused.  ``ray start --head``
@@ -36,9 +36,10 @@ LOOPBACK = "127.0.0.1"
 # Ray's core worker (actor_task_submitter.cc) otherwise parks such a call for timeout_ms_task_wait_for_death_info
 # (1000 ms) in case the GCS publishes the actor's death cause meanwhile, and fails it at the next internal
 # heartbeat after that (core_worker_internal_heartbeat_ms, 1000 ms): 1-2 s in all.  When a whole node dies the
-# GCS learns it only from its health checks (12-15 s here), so the call fails with the same ACTOR_UNAVAILABLE
-# either way and the wait only delays it: Serve's proxy answered a target-node loss 1.15-1.6 s late, with 0 in
-# 0.06-0.08 s (docs/cluster.md, "Many nodes").  KubeRay sets the same on every container of a RayService.
+# GCS learns it only from its health checks (seconds later), so the call fails with the same ACTOR_UNAVAILABLE
+# either way and the wait only delays it; with 0, Serve's proxy answers a target-node loss as soon as the
+# connection breaks (tests/serving/test_multinode.py: within 1 s).  KubeRay sets the same on every container of a
+# RayService.
 # What it costs: a call to an actor that died on a live node fails as ActorUnavailableError instead of waiting
 # for ActorDiedError with its cause (Serve's router then probes the replica before dropping it).  Nothing is
 # declared dead sooner (it acts only on a call whose connection already failed), so a stalled node is not.
