@@ -14,21 +14,21 @@ V float32: the target's 5 rows and the drafter's 4 of a k = 4 step), timed in th
 """
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm import tqdm
 
 from cluster.bench.report import print_table, write_results
-from cluster.core.model_set import ModelSet
+from cluster.config.paths import default_cache_dir
+from cluster.config.schema import load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
-from cluster.engine.scheduler import Limits
 from cluster.errors import ParamError, check_int
-from cluster.models.batched import BatchedHFWorker
+from cluster.local import build_engine
 
 VOCABS = (4096, 32000, 128256)
 ROWS = (1, 8, 32)
@@ -36,32 +36,6 @@ NEW_TOKENS = 32            # generated per request
 PROMPT = 8                 # prompt tokens per request
 K = 4
 SAMPLERS = ("reference", "batched")
-
-
-class _WordTokenizer:
-    """A word-level tokenizer of V entries (token i is the word ``w<i>``); no EOS (requests ignore it anyway)."""
-
-    eos_token_id = None
-
-    def __init__(self, vocab: int):
-        self.vocab_size = vocab
-
-    def encode(self, text: str) -> list[int]:
-        return [int(w[1:]) % self.vocab_size for w in text.split()]
-
-    def decode(self, ids) -> str:
-        return " ".join(f"w{i}" for i in ids)
-
-    def stream(self):
-        tok = self
-
-        class _S:
-            def step(self, token_id):
-                return tok.decode([token_id]) + " "
-
-            def flush(self):
-                return ""
-        return _S()
 
 
 class _ForwardClock:
@@ -79,14 +53,37 @@ class _ForwardClock:
         self.seconds += time.perf_counter() - self._t0
 
 
-def random_llama(vocab: int, seed: int = 0):
-    """A random-weight Llama causal LM at ``vocab`` (hidden 64, 2 layers, 4 heads), float32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def write_checkpoint(root: Path, vocab: int, seed: int = 0) -> Path:
+    """A random-weight Llama checkpoint at ``vocab`` (hidden 64, 2 layers, 4 heads, float32) with a word-level
+    tokenizer of ``vocab`` entries (token i is ``w<i>``), written once under ``root`` -> its directory."""
+    path = root / f"llama-v{vocab}-s{seed}"
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                       tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).eval()
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
+
+
+def engine_for(path: Path, sampler: str, rows: int, root: Path) -> Engine:
+    """The in-process engine (:func:`cluster.local.build_engine`) over target = drafter = ``path``, colocated,
+    from a config as a user writes one; ``engine.sampler`` chosen."""
+    doc = {"target": "target",
+           "models": {"target": {"path": str(path)}, "drafter": {"path": str(path)}},
+           "engine": {"strategy": "speculative", "max_batch": rows, "max_queue": rows, "sampler": sampler,
+                      "max_new_tokens_limit": NEW_TOKENS, "kv_budget_tokens": 1 << 20,
+                      "options": {"drafter": "drafter", "k": K}},
+           "cluster": {"topology": "colocated"}}
+    cfg_path = root / f"{path.name}-{sampler}.yaml"
+    cfg_path.write_text(yaml.safe_dump(doc))
+    return build_engine(load_config(cfg_path))
 
 
 def _parse(text, name: str, low: int, high: int) -> list[int]:
@@ -136,15 +133,12 @@ def run(args, cfg) -> int:
     table, points = [], []
     cells = [(r, t, s) for r in row_counts for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]
     bar = tqdm(total=len(vocabs) * len(cells) * len(SAMPLERS), desc="bench shapes", unit="cell")
+    root = Path(getattr(args, "cache_dir", None) or default_cache_dir()) / "shapes"
+    root.mkdir(parents=True, exist_ok=True)
     for V in vocabs:
-        target = random_llama(V)
-        drafter = copy.deepcopy(target)
-        handles = {"target": BatchedHFWorker(target, "target"), "drafter": BatchedHFWorker(drafter, "drafter")}
-        models = ModelSet.assemble(handles, "target")
-        clock = _ForwardClock([target, drafter])
-        limits = Limits(max(row_counts), 2 * max(row_counts), 1 << 22)
-        engines = {s: Engine(models, _WordTokenizer(V), sampler=s, limits=limits, max_new_tokens_limit=NEW_TOKENS)
-                   for s in SAMPLERS}
+        path = write_checkpoint(root, V)
+        engines = {s: engine_for(path, s, max(row_counts), root) for s in SAMPLERS}
+        clock = _ForwardClock([e.models[n].model for e in engines.values() for n in ("target", "drafter")])
         for e in engines.values():                                        # warm-up (not timed)
             measure(e, clock, 1, "speculative", 1.0, 0)
         for rows, temperature, strategy in cells:

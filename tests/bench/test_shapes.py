@@ -10,7 +10,7 @@ from cluster.errors import ParamError
 
 
 def test_shapes_suite_writes_the_before_after_table(tmp_path, capsys):
-    args = SimpleNamespace(vocabs="64,256", rows="1,3", out=str(tmp_path))
+    args = SimpleNamespace(vocabs="64,256", rows="1,3", out=str(tmp_path), cache_dir=str(tmp_path / "cache"))
     assert run(args, None) == 0
     rows = json.loads((tmp_path / "bench_shapes.json").read_text())
     assert len(rows) == 2 * 2 * 2 * 2                     # V x rows x T x strategy
