@@ -30,7 +30,7 @@ from cluster.core.interfaces import UnknownRequestError
 from cluster.core.sampling import onehot_logits
 
 OPS = ("rollback", "extend", "release")
-METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch", "draft_batch")
+METHODS = ("prefill_batch", "propose_batch", "score_batch", "propose_adaptive_batch", "draft_batch", "verify_batch")
 
 
 @dataclass
@@ -106,6 +106,8 @@ def pack(out):
     """Tensors as numpy arrays, recursively through lists, tuples and dataclasses (draft blocks)."""
     if isinstance(out, torch.Tensor):
         return out.numpy()
+    if isinstance(out, tuple) and hasattr(out, "_fields"):          # a NamedTuple (a verdict)
+        return type(out)(*(pack(x) for x in out))
     if isinstance(out, (list, tuple)):
         return type(out)(pack(x) for x in out)
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
@@ -117,6 +119,8 @@ def unpack(out):
     """numpy arrays back to tensors (copied: Ray hands out read-only buffers)."""
     if isinstance(out, np.ndarray):
         return torch.from_numpy(out.copy())
+    if isinstance(out, tuple) and hasattr(out, "_fields"):          # a NamedTuple (a verdict)
+        return type(out)(*(unpack(x) for x in out))
     if isinstance(out, (list, tuple)):
         return type(out)(unpack(x) for x in out)
     if dataclasses.is_dataclass(out) and not isinstance(out, type):

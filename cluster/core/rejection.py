@@ -7,7 +7,8 @@ ours).  Shapes (B rows, K the longest draft of the round, V the vocabulary):
   draft     [B, K]       long, the drafted tokens x_1..x_{L_b}, padded past L_b
   lengths   [B]          long, L_b (0: a plain decoding step, only the bonus token is drawn)
   q         [B, K, V]    the distributions the drafts were drawn from (None: every draft deterministic)
-  det       [B]          bool, row b's drafts are deterministic (one-hot q: Max-Gram, a prediction, greedy)
+  det       [B]          bool, row b's drafts are deterministic (one-hot q: Max-Gram, a prediction, greedy);
+                         None: none is where q is given
 
 and it returns, per row:
 
@@ -49,6 +50,7 @@ class RowSampling:
     n_greedy: int                # host: how many rows are greedy
     max_top_k: int               # host: the largest top-k in force (0: none)
     any_top_p: bool              # host: some row filters by top-p
+    unit_temperature: bool = False   # host: every row's temperature is 1 (or greedy)
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device, dtype=torch.float32) -> "RowSampling":
@@ -60,7 +62,13 @@ class RowSampling:
                    torch.tensor(ks, dtype=torch.long, device=device),
                    torch.tensor(ps, dtype=dtype, device=device),
                    torch.tensor(greedy, dtype=torch.bool, device=device),
-                   sum(greedy), max([k for k in ks if k < vocab], default=0), any(p < 1.0 for p in ps))
+                   sum(greedy), max([k for k in ks if k < vocab], default=0), any(p < 1.0 for p in ps),
+                   all(g or p.temperature == 1.0 for g, p in zip(greedy, params)))
+
+    @property
+    def filters(self) -> bool:
+        """Some row's law is truncated (top-k or top-p): its probabilities need the whole row sorted or ranked."""
+        return bool(self.max_top_k or self.any_top_p)
 
     @property
     def rows(self) -> int:
@@ -76,12 +84,18 @@ def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.view(-1, *([1] * (like.dim() - 1)))
 
 
+def _scaled(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """``logits / temperature`` per row, in ``rs``' dtype (no pass over the logits where every row's is 1)."""
+    x = logits.to(rs.temperature.dtype)
+    return x if rs.unit_temperature else x / _per_row(rs.temperature, x)
+
+
 def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     """The sampling law of every row: ``logits [B, ..., V]`` -> probabilities, in ``rs``' dtype.  Row b is
     exactly :func:`cluster.core.sampling.logits_to_probs` under row b's settings (temperature, then top-k on
     the scaled logits, softmax, then the smallest top-p prefix); a greedy row's law is left unscaled (its
     callers take the argmax instead)."""
-    x = logits.to(rs.temperature.dtype) / _per_row(rs.temperature, logits)
+    x = _scaled(logits, rs)
     V = x.shape[-1]
     if rs.max_top_k:
         top = torch.topk(x, rs.max_top_k, dim=-1).values                      # [B, ..., k_max]
@@ -229,15 +243,39 @@ class Verdicts:
         return [(a, t, bool(b)) for a, t, b in zip(*rows)]
 
 
+class Laws:
+    """The sampling laws of rows ``[B, n, V]`` given as raw logits (or as probabilities), materialised once, when
+    first read: the probabilities of given tokens (:meth:`at`), one row per request (:meth:`row`), all of them
+    (:meth:`full`).  (A fused softmax is the cheapest pass there is over the rows: a log-sum-exp alone costs more
+    on the CPU, and every later read is a gather.)"""
+
+    def __init__(self, logits: torch.Tensor | None, rs: RowSampling, probs: torch.Tensor | None = None):
+        self.logits, self.rs, self.probs = logits, rs, probs
+
+    def full(self) -> torch.Tensor:
+        if self.probs is None:
+            self.probs = probs_batch(self.logits, self.rs)
+        return self.probs
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [B, m]`` -> the probability of ``tokens[b, i]`` under row (b, i), ``[B, m]``."""
+        return self.full()[:, :tokens.shape[1]].gather(-1, tokens[..., None])[..., 0]
+
+    def row(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx [B]`` -> row (b, idx_b) of every request, ``[B, V]``."""
+        return self.full()[torch.arange(idx.shape[0], device=idx.device), idx]
+
+
 def _onehot_at(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like).scatter(-1, x[:, None], 1.0)
 
 
 def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, rs: RowSampling,
-                 draws: Draws, *, q: torch.Tensor | None = None, det: torch.Tensor | None = None,
+                 draws: Draws, *, q: "torch.Tensor | Laws | None" = None, det: torch.Tensor | None = None,
                  method: str = "token") -> Verdicts:
     """The rejection sampler over every row of a round (shapes in the module docstring); ``method``
-    ``token`` (Leviathan et al., Alg. 1) or ``block`` (Sun et al., Alg. 3)."""
+    ``token`` (Leviathan et al., Alg. 1) or ``block`` (Sun et al., Alg. 3).  ``q``: the draft laws as
+    probabilities ``[B, K, V]``, or as :class:`Laws` (a drafter's raw logits, read only where needed)."""
     B, K1, V = logits.shape
     K = K1 - 1
     rows = torch.arange(B, device=logits.device)
@@ -248,28 +286,31 @@ def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tenso
         g_next = arg[rows, g_acc]
         if rs.all_greedy:
             return Verdicts(g_acc, g_next, g_acc == lengths)
-    if det is None:
-        det = torch.full((B,), q is None, dtype=torch.bool, device=logits.device)
-    p = probs_batch(logits, rs)                                                     # [B, K+1, V]
-    px = p[:, :K].gather(-1, draft[..., None])[..., 0]                              # [B, K]
-    qx = torch.ones_like(px) if q is None else \
-        torch.where(det[:, None], 1.0, q.gather(-1, draft[..., None])[..., 0])
+    p = Laws(logits, rs)
+    if isinstance(q, torch.Tensor):
+        q = Laws(None, rs, probs=q)
+    px = p.at(draft)                                                                # [B, K]
+    qx = torch.ones_like(px) if q is None else q.at(draft)
+    if q is not None and det is not None:
+        qx = torch.where(det[:, None], 1.0, qx)
     live = valid & ~rs.greedy[:, None]
     if method == "token":
         ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).to(px.dtype))
         ok = draws.bernoulli(ratio.clamp(max=1.0), live)
         acc = (ok & valid).long().cumprod(-1).sum(-1)                               # [B]
-        scale = torch.ones(B, dtype=p.dtype, device=p.device)
+        scale = torch.ones(B, dtype=px.dtype, device=px.device)
     elif method == "block":
-        acc, scale = _block_tau(p, px, qx, draft, lengths, valid, det, q, draws, live)
+        det_b = torch.zeros(B, dtype=torch.bool, device=px.device) if det is None else det
+        acc, scale = _block_tau(p.full(), px, qx, draft, lengths, valid, det_b, None if q is None else q.full(),
+                                draws, live)
     else:
         raise ValueError(f"unknown verification method {method!r}")
     bonus = acc == lengths
-    p_row = p[rows, acc]                                                            # [B, V]
+    p_row = p.row(acc)                                                              # [B, V]
     at = acc.clamp(max=max(K - 1, 0))
     x_at = draft[rows, at] if K else torch.zeros_like(acc)
-    q_row = _onehot_at(x_at, p_row) if q is None else \
-        torch.where(det[:, None], _onehot_at(x_at, p_row), q[rows, at])
+    q_row = _onehot_at(x_at, p_row) if q is None else q.row(at) if det is None else \
+        torch.where(det[:, None], _onehot_at(x_at, p_row), q.row(at))
     res = torch.clamp(scale[:, None] * p_row - q_row, min=0.0)
     mass = res.sum(-1, keepdim=True)
     res = torch.where(mass > 0, res / torch.where(mass > 0, mass, 1.0), p_row)

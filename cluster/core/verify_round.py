@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cluster.core.logprobs import TokenLogprob, token_logprobs
-from cluster.core.rejection import CounterDraws, RngDraws, RowSampling, probs_batch, verify_batch
+from cluster.core.rejection import CounterDraws, Laws, RngDraws, RowSampling, probs_batch, verify_batch
 from cluster.core.sampling import Rng, SamplingParams
 
 
@@ -23,7 +23,7 @@ class VerifyItem(NamedTuple):
     draft: list[int]             # [L] the tokens to verify (empty: a plain decoding step)
     block: Any                   # how q travels (cluster.core.draft.programs.DraftBlock), None: deterministic
     sampling: SamplingParams
-    rng: Any                     # the request's random source (an Rng: counter-based draws on the device)
+    rng: Any                     # the request's random source: an Rng or its seed (counter-based draws on the device)
     start: int                   # the request's sequence length where the step began (the draws' counter)
     method: str = "token"        # "token" (Leviathan et al.) or "block" (Sun et al.)
     logprobs: int | None = None  # top-n target logprobs of each emitted token (None: not asked)
@@ -46,23 +46,29 @@ def _dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def _q_rows(items, rs: RowSampling, K: int, V: int, device, dtype):
-    """(q [B, K, V] or None, det [B]): the draft laws of rows that sample from a neural drafter."""
+    """(q, det [B]): the draft laws of rows that sample from a neural drafter, as :class:`Laws` over the
+    drafters' raw logits when every such row sent them (read only where the verifier needs them), else as
+    probabilities ``[B, K, V]``; None when no row needs one."""
     det = [it.block is None or it.block.form == "onehot" or it.sampling.greedy or not it.draft for it in items]
     need = [b for b, d in enumerate(det) if not d]
-    det_t = torch.tensor(det, dtype=torch.bool, device=device)
+    det_t = torch.tensor(det, dtype=torch.bool, device=device) if any(det) else None
     if not need:
         return None, det_t
+    if all(items[b].block.form == "logits" for b in need):
+        empty = torch.empty(0, V, dtype=dtype, device=device)
+        raw = stack_rows([empty if d else it.block.q[:len(it.draft)].to(device, dtype) for it, d in zip(items, det)])
+        if raw.shape[1] < K:
+            raw = torch.cat([raw, raw.new_zeros(len(items), K - raw.shape[1], V)], 1)
+        return Laws(raw, rs), det_t
     q = torch.zeros(len(items), K, V, dtype=dtype, device=device)
-    from_logits = [b for b in need if items[b].block.form == "logits"]
-    if from_logits:                                   # the drafter's raw logits: its law, recomputed in one call
-        raw = stack_rows([items[b].block.q[:len(items[b].draft)].to(device) for b in from_logits])
-        sub = RowSampling.of([items[b].sampling for b in from_logits], V, device, dtype)
-        q[from_logits, :raw.shape[1]] = probs_batch(raw, sub)
     for b in need:
         blk, L = items[b].block, len(items[b].draft)
-        if blk.form == "sparse":
+        if blk.form == "logits":
+            q[b, :L] = probs_batch(blk.q[:L].to(device, dtype)[None], RowSampling.of([items[b].sampling], V,
+                                                                                    device, dtype))[0]
+        elif blk.form == "sparse":
             q[b, :L].scatter_(1, blk.support[:L].to(device), blk.q[:L].to(device, dtype))
-        elif blk.form == "dense":
+        else:
             q[b, :L] = blk.q[:L].to(device, dtype)
     return q, det_t
 
@@ -87,8 +93,8 @@ def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified
                          device=device).reshape(B, K)
     lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
     q, det = (None, None) if rs.all_greedy else _q_rows(items, rs, K, V, device, dtype)
-    if all(type(it.rng) is Rng for it in items):
-        draws = CounterDraws.of([it.rng.seed for it in items], [it.start for it in items], device)
+    if all(type(it.rng) is Rng or type(it.rng) is int for it in items):
+        draws = CounterDraws.of([getattr(it.rng, "seed", it.rng) for it in items], [it.start for it in items], device)
     else:
         draws = RngDraws([it.rng for it in items])
     verdicts = verify_batch(logits, draft, lengths, rs, draws, q=q, det=det, method=methods[0]).tolist()

@@ -177,8 +177,9 @@ class BatchedHFWorker(BatchedHandle):
         counter-based draws keyed by the row's start and step); a row with a head stops by its rule, one without
         after k tokens."""
         reqs = [self._get(rid) for rid, *_ in items]
-        out = [([], []) for _ in items]
+        out = [[] for _ in items]
         starts = [len(r.tokens) for r in reqs]
+        rows_of = torch.empty(len(items), max([k for _, k, _, _ in items], default=0), self.vocab_size)  # [B, k, V]
         live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
         step = 0
         while live:
@@ -192,13 +193,12 @@ class BatchedHFWorker(BatchedHandle):
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
             toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
-            last = last.cpu()
+            rows_of[live, step - 1] = last.cpu()
             done = set()
             for j, (i, tok) in enumerate(zip(live, toks)):
                 req, (_, k, head, rule) = reqs[i], items[i]
                 req.tokens.append(tok)
-                out[i][0].append(tok)
-                out[i][1].append(last[j])
+                out[i].append(tok)
                 if rule is None:
                     stop = step >= k
                 else:                                                # e_{i-1}: candidate i-1's acceptance
@@ -207,7 +207,7 @@ class BatchedHFWorker(BatchedHandle):
                 if stop:
                     done.add(i)
             live = [i for i in live if i not in done]
-        return [(toks, torch.stack(lgs)) if lgs else ([], torch.empty(0, self.vocab_size)) for toks, lgs in out]
+        return [(toks, rows_of[i, :len(toks)]) for i, toks in enumerate(out)]            # views, no copies
 
     @torch.inference_mode()
     def verify_batch(self, items: list) -> list:
@@ -219,7 +219,10 @@ class BatchedHFWorker(BatchedHandle):
             req.tokens.extend(it.draft)
         logits, _, at = self._forward(reqs, raw=True)                               # [B, n, V]; (row, fed)
         K = max(len(it.draft) for it in items)
-        pos = [[min(n - len(it.draft) - 1 + j, n - 1) for j in range(K + 1)] for (_, n), it in zip(at, items)]
+        firsts = [n - len(it.draft) - 1 for (_, n), it in zip(at, items)]
+        if all(b == i for i, (b, _) in enumerate(at)) and not any(firsts):     # rows aligned: a view, no copy
+            return verify_round(logits[:, :K + 1].float(), items)
+        pos = [[min(f + j, n - 1) for j in range(K + 1)] for f, (_, n) in zip(firsts, at)]
         rows = torch.tensor([b for b, _ in at], device=logits.device)[:, None]
         return verify_round(logits[rows, torch.tensor(pos, device=logits.device)].float(), items)
 

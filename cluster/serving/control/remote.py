@@ -20,7 +20,7 @@ import torch
 
 from actors.protocol import StepCall, StepTime, expand_onehot, nbytes, stamp, unpack
 from cluster.core.interfaces import BatchedHandle
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import Rng, SamplingParams
 from cluster.serving.control.channel import Channel
 
 
@@ -120,6 +120,13 @@ class RemoteHandle(BatchedHandle):
     def draft_batch(self, items) -> list:
         """The draft side's blocks (:class:`cluster.core.draft.programs.DraftBlock`), one round trip for the batch."""
         return self._call("draft_batch", items)
+
+    def verify_batch(self, items) -> list:
+        """The round verified where the target runs: items travel with the request's seed for the counter-based
+        draws, token ids come back (a branching test source verifies here, over ``score_batch``'s rows)."""
+        if not all(type(it.rng) is Rng for it in items):
+            return super().verify_batch(items)
+        return self._call("verify_batch", [it._replace(rng=it.rng.seed) for it in items])
 
     def active_requests(self) -> list[str]:
         return self.channel.ask("active_requests").wait(self.channel.timeout_s)[0]
