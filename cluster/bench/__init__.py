@@ -13,7 +13,6 @@ from typing import Callable
 
 _WHERE = {                                   # suite -> (module under cluster.bench, function)
     "main": ("main", "run"),
-    "cluster": ("cluster", "run"),
     "verify": ("verify", "run_verify"),
     "cascades": ("spec_cascades", "run_cascades"),
     "cs": ("cs", "run"),

@@ -53,8 +53,6 @@ SECTIONS = (
     Section("load", "Continuous batching under closed-loop load", "specserve bench --suite load", (
         Table("bench_load", "2c requests per level; ttft / tpot in ms; vs_c1: tok/s over the same row at c = 1.",
               LOAD_COLUMNS),)),
-    Section("cluster", "Every strategy through the Ray cluster and in-process", "specserve bench --cluster", (
-        Table("cluster", "One request at a time; ratios to in-process."),)),
     Section("verify", "Block vs token verification", "specserve bench --suite verify", (
         Table("bench_verify", "Same drafts for both verifiers; E_acc: each verifier's exact expected accepted "
               "length on them."),

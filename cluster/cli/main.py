@@ -86,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate() peers")
     b.add_argument("--out", default="bench_out", help="directory for the CSV/JSON results")
     b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
-    b.add_argument("--cluster", action="store_true", help="the cluster suite: each strategy through Ray vs in-process")
     b.add_argument("--concurrency",
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
     b.add_argument("--runtime", help="load and gpu suites: comma-separated of in-process, cluster (default both)")
@@ -129,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "down", "client"):
             return run_cluster_command(args)
         if args.command == "bench":
-            if args.cluster:
-                args.suite = "cluster"
             return cmd_bench(args)
         if args.command == "results":
             return cmd_results(args)
