@@ -4,7 +4,7 @@ The serving unit talks to it through :class:`cluster.serving.control.remote.Remo
 engine step carries the queued bookkeeping and one batched method for all of the step's requests
 (:mod:`actors.protocol`).  Per-step calls are plain Ray actor calls.  Ray Compiled Graphs answer faster, but
 their actor-side reader busy-waits: an idle compiled-graph actor burns a whole core, which a unit of three or
-four actors on a small CPU box cannot afford (``specserve bench --suite transport`` measures both).
+four actors on a small CPU box cannot afford.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ calls over one blocking connection instead of Ray actor calls.
 
 Why not a Ray actor call for this hop: a Ray call goes from the caller's core worker to the actor's task queue
 and back through the owner's reply path -- a fixed cost many times that of a pickled block over a local socket
-(``specserve bench --suite transport`` measures both), paid
+(``specserve bench --suite served --channels ray,socket`` runs both side by side), paid
 once per step on the critical path -- and Ray serialises the reply only after the method returns, while the
 pre-draft thread the draft host starts then competes for the GIL.  A Ray Compiled Graph answers fast but both of
 its ends poll a core while they wait.  Here both ends block in the kernel (``recv``), burning nothing, and the

@@ -18,7 +18,6 @@ _WHERE = {                                   # suite -> (module under cluster.be
     "cs": ("cs", "run"),
     "load": ("load", "run"),
     "served": ("served", "run"),
-    "transport": ("transport", "run"),
     "edit": ("edit", "run"),
     "grammar": ("grammar", "run"),
     "gpu": ("gpu", "run"),

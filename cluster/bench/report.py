@@ -140,10 +140,6 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
-HOP_COLUMNS = ("draft_calls", "draft_ms", "request_hop_ms", "actor_ms", "wait_ms", "compute_ms", "reply_hop_ms",
-               "beyond_compute_ms", "hit_share", "hit_compute_ms", "miss_compute_ms", "disordered")
-
-
 def hop_columns(t: dict | None) -> dict:
     """A draft-call total (``CallTiming`` as a dict) -> per-call milliseconds by hop; {} without calls."""
     if t and "cache" in t:

@@ -66,9 +66,6 @@ SECTIONS = (
         Table("bench_cs_variants_t*", "The paper's readings of CS Drafting beside ours."))),
     Section("edit", "Predicted outputs on an edit workload", "specserve bench --suite edit", (
         Table("bench_edit", "Chat requests asking for one small change, with and without a prediction."),)),
-    Section("transport", "The per-step call to another process", "specserve bench --suite transport", (
-        Table("bench_transport", "Round trip and CPU of a Ray actor call, a blocking socket and a compiled graph."),
-        Table("bench_transport_hops", "The draft call's hops in a real unit, per draft channel (ms per call)."))),
     Section("grammar", "Grammar engines for structured output", "specserve bench --suite grammar", (
         Table("bench_grammar_engines", "Set-up, compile and per-step cost per engine and vocabulary size."),
         Table("bench_grammar_engine", "The grammar's share of a step in the engine."))),

@@ -23,7 +23,7 @@ Per cell: output tokens/s (generated tokens / wall time of the cell, first submi
 ratio to autoregressive at the same ``c`` and mode, streamed / unary of the same row, TTFT p50/p99 (streamed
 only: submit -> first chunk with tokens), TPOT p50/p99
 (per request: (end-to-end - TTFT) / (tokens - 1)), failures by gRPC status, and where the draft side has its
-own actor the draft call's hops (:func:`cluster.bench.hops.hop_columns`: round trip, request hop, the actor's
+own actor the draft call's hops (:func:`cluster.bench.report.hop_columns`: round trip, request hop, the actor's
 wait and compute, reply hop, pre-draft hit share; in the ``speculator`` topology the speculation cache's columns,
 :func:`cluster.bench.report.cache_columns`: hit share by branch kind, late answers, wasted draft tokens, fan-out,
 the coordinator's ms per all-hit draft call), read from the replica after each cell.  At ``c = 1`` each row also

@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="served suite: requests per cell, at least c (instead of --requests-per-client)")
     b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")
     b.add_argument("--topologies", help="served suite: comma-separated of separated, colocated, speculator (default all)")
-    b.add_argument("--channels", help="transport and served suites: the separated unit's draft channels, "
-                   "comma-separated of ray, socket (default: transport both, served the config's)")
+    b.add_argument("--channels", help="served suite: the separated unit's draft channels, comma-separated of "
+                   "ray, socket (default: the config's)")
     b.add_argument("--requests-per-client", dest="requests_per_client",
                    help="served suite: requests per client per cell (default: max(2c, 8) requests per cell)")
     b.add_argument("--time-limit", dest="time_limit", help="served suite: no new cell after this many seconds "
