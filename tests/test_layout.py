@@ -44,8 +44,7 @@ ALLOWED = {
 }
 # Dependencies that may be imported inside functions, so modules that do not need them load without.
 HEAVY = {"ray", "grpc", "grpc_health", "matplotlib", "transformers", "tokenizers", "safetensors", "sacrebleu",
-         "starlette", "fastapi", "google", "locust", "jsonschema", "grpc_tools",
-         "xgrammar", "outlines_core"}     # the grammar bench's optional comparisons (not dependencies)
+         "starlette", "fastapi", "google", "locust", "jsonschema", "grpc_tools"}
 
 
 # cluster/__init__ hands out the gRPC client on first use, so `import cluster` needs no grpc; the load suite takes

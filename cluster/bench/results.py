@@ -66,9 +66,8 @@ SECTIONS = (
         Table("bench_cs_variants_t*", "The paper's readings of CS Drafting beside ours."))),
     Section("edit", "Predicted outputs on an edit workload", "specserve bench --suite edit", (
         Table("bench_edit", "Chat requests asking for one small change, with and without a prediction."),)),
-    Section("grammar", "Grammar engines for structured output", "specserve bench --suite grammar", (
-        Table("bench_grammar_engines", "Set-up, compile and per-step cost per engine and vocabulary size."),
-        Table("bench_grammar_engine", "The grammar's share of a step in the engine."))),
+    Section("grammar", "Structured output: the grammar's share of a step", "specserve bench --suite grammar", (
+        Table("bench_grammar_engine", "Greedy JSON answers per strategy: ms per token, and the grammar's part."),)),
     Section("gpu", "On a CUDA device", "specserve bench --suite gpu", (
         Table("gpu_exactness", "Greedy outputs on the device against autoregressive's, alone and batched."),
         Table("gpu_forward_costs", "Batched forward ms on the device."),
