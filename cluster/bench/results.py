@@ -62,8 +62,7 @@ SECTIONS = (
         Table("bench_cascades_summary", "The cheapest point per method reaching each quality level."),
         Table("bench_cascades_variants", "The paper's variants beside ours, same prompts and seeds."))),
     Section("cs", "CS Drafting, Max-Gram and SpecDec++", "specserve bench --suite cs", (
-        Table("bench_cs_t*", "SWI: standardized walltime improvement from forward counts and per-call costs."),
-        Table("bench_cs_variants_t*", "The paper's readings of CS Drafting beside ours."))),
+        Table("bench_cs_t*", "SWI: standardized walltime improvement from forward counts and per-call costs."),)),
     Section("edit", "Predicted outputs on an edit workload", "specserve bench --suite edit", (
         Table("bench_edit", "Chat requests asking for one small change, with and without a prediction."),)),
     Section("grammar", "Structured output: the grammar's share of a step", "specserve bench --suite grammar", (
