@@ -67,6 +67,9 @@ SECTIONS = (
         Table("bench_edit", "Chat requests asking for one small change, with and without a prediction."),)),
     Section("grammar", "Structured output: the grammar's share of a step", "specserve bench --suite grammar", (
         Table("bench_grammar_engine", "Greedy JSON answers per strategy: ms per token, and the grammar's part."),)),
+    Section("shapes", "Production shapes: the engine's own work per step", "specserve bench --suite shapes", (
+        Table("bench_shapes", "Random-weight Llama checkpoints, drafter = target copy, k = 4; own = step wall - the "
+              "models' forward time; before = engine.sampler reference, after = batched, side by side."),)),
     Section("gpu", "On a CUDA device", "specserve bench --suite gpu", (
         Table("gpu_exactness", "Greedy outputs on the device against autoregressive's, alone and batched."),
         Table("gpu_forward_costs", "Batched forward ms on the device."),
