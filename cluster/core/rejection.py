@@ -163,7 +163,10 @@ class Draws:
     """The random source of one batched call: Bernoulli and categorical draws over tensors, where ``live``
     [B] or [B, K] says which draws the outcome can depend on (the others may return anything)."""
 
-    def bernoulli(self, prob: torch.Tensor, live: torch.Tensor, purpose: int = ACCEPT) -> torch.Tensor:
+    def bernoulli(self, prob: torch.Tensor, live: torch.Tensor, purpose: int = ACCEPT,
+                  until_false: bool = False) -> torch.Tensor:
+        """``until_false``: along each row only the draws up to its first failure can matter (token
+        verification), so a source may leave the rest undrawn (False)."""
         raise NotImplementedError
 
     def categorical(self, probs: torch.Tensor, live: torch.Tensor, purpose: int = FINAL,
@@ -184,7 +187,7 @@ class CounterDraws(Draws):
         return cls(torch.tensor(seeds, dtype=torch.long, device=device),
                    torch.tensor(starts, dtype=torch.long, device=device))
 
-    def bernoulli(self, prob, live, purpose=ACCEPT):
+    def bernoulli(self, prob, live, purpose=ACCEPT, until_false=False):
         K = prob.shape[1]
         off = torch.arange(K, device=prob.device)[None]
         u = counter_uniform(self.seeds[:, None], self.starts[:, None], off, purpose, prob.dtype)
@@ -202,10 +205,14 @@ class RngDraws(Draws):
     def __init__(self, rngs: list):
         self.rngs = rngs
 
-    def bernoulli(self, prob, live, purpose=ACCEPT):
+    def bernoulli(self, prob, live, purpose=ACCEPT, until_false=False):
         out = torch.zeros(prob.shape, dtype=torch.bool)
+        failed = set()
         for b, j in live.nonzero().tolist():
-            out[b, j] = self.rngs[b].bernoulli(float(prob[b, j]))
+            if b not in failed:
+                out[b, j] = self.rngs[b].bernoulli(float(prob[b, j]))
+                if until_false and not out[b, j]:
+                    failed.add(b)
         return out.to(prob.device)
 
     def categorical(self, probs, live, purpose=FINAL, offset=0):
@@ -296,7 +303,7 @@ def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tenso
     live = valid & ~rs.greedy[:, None]
     if method == "token":
         ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).to(px.dtype))
-        ok = draws.bernoulli(ratio.clamp(max=1.0), live)
+        ok = draws.bernoulli(ratio.clamp(max=1.0), live, until_false=True)
         acc = (ok & valid).long().cumprod(-1).sum(-1)                               # [B]
         scale = torch.ones(B, dtype=px.dtype, device=px.device)
     elif method == "block":

@@ -82,7 +82,10 @@ def test_kmatrix_units_count_review_steps_or_tokens():
     assert all(r == 3 for r, L in ours[:-4] if L >= 3)            # exactly K[0][0] = 3 review steps
     assert all(r <= 3 and (L >= 3 or r == 0 or L == r) for r, L in paper)   # reviews until >= 3 tokens
     assert any(r < 3 and L >= 3 for r, L in paper)                # a review that emitted several tokens ends it
-    assert sum(r for r, _ in paper) < sum(r for r, _ in ours)
+    # fewer review calls per token verified: per seed the sample paths differ, so over four of them
+    runs = {unit: [_spy_run(unit, seed=s)[0] for s in range(4)] for unit in ("reviews", "tokens")}
+    calls = {unit: sum(r for log in logs for r, _ in log) for unit, logs in runs.items()}
+    assert calls["tokens"] < calls["reviews"], calls
 
 
 def test_mag_lenience_off_keeps_reviews_of_mag_tokens_strict():

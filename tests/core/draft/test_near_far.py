@@ -256,7 +256,8 @@ def test_a_look_ahead_given_up_keeps_nothing():
 @pytest.mark.parametrize("opts,sampling,delay", [
     (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
     (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
-    (dict(drafter="d", k=1), SamplingParams(1.0), 2),                      # every answer late: near only
+    pytest.param(dict(drafter="d", k=1), SamplingParams(1.0), 2,           # every answer late: near only;
+                 marks=pytest.mark.slow),                                  # ~2 min: the slow suite's
 ])
 def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, delay):
     """Every draw enumerated, the speculator's branches (and its look-ahead's) included: whichever branch the
