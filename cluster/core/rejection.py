@@ -87,7 +87,11 @@ def _per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _scaled(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     """``logits / temperature`` per row, in ``rs``' dtype (no pass over the logits where every row's is 1)."""
     x = logits.to(rs.temperature.dtype)
-    return x if rs.unit_temperature else x / _per_row(rs.temperature, x)
+    if rs.unit_temperature:
+        return x
+    # the row's maximum first, so that a tiny temperature sends the others to -inf, never the top to inf - inf
+    t = _per_row(rs.temperature.clamp(min=torch.finfo(x.dtype).tiny), x)
+    return (x - x.amax(-1, keepdim=True)) / t
 
 
 def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
@@ -108,6 +112,7 @@ def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         top_p = _per_row(rs.top_p, probs)
         drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
+        drop[..., 0] = False                      # the top token always stays (a top_p below the dtype's range)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -158,6 +158,16 @@ def test_probs_batch_is_logits_to_probs_row_by_row():
         assert torch.allclose(got[b], logits_to_probs(logits[b], sp), atol=1e-12, rtol=0)
 
 
+def test_extreme_settings_stay_a_law_in_float32():
+    """A temperature or top-p below float32's range (the fuzzer's 1e-4 and 5e-324): still a distribution, the
+    argmax's one-hot, as the float64 oracle gives."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    for sp in (SamplingParams(1e-4, top_p=4.94065645841247e-324), SamplingParams(1e-300), SamplingParams(1e-4)):
+        got = probs_batch(logits, RowSampling.of([sp], 4, "cpu", torch.float32))
+        assert torch.isfinite(got).all() and got[0].tolist() == [0.0, 1.0, 0.0, 0.0], (sp, got)
+        assert logits_to_probs(logits[0].double(), sp).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
 def test_counter_hash_is_splitmix64_of_the_counter():
     """The int64 tensor arithmetic equals the same function in Python's unbounded integers mod 2^64."""
     M = (1 << 64) - 1
