@@ -76,7 +76,7 @@ def test_remote_handles_match_in_process_with_one_call_per_model_per_step(tiny_e
             return
         got = engine.generate(req)
         assert got.token_ids == want.token_ids
-        scores = [m for m, _ in eps["target"].calls if m == "score_batch"]
+        scores = [m for m, _ in eps["target"].calls if m in ("score_batch", "verify_batch")]
         assert scores and len(scores) == got.stats.target_forwards
         for n, ep in eps.items():
             assert all(m is not None or ops[-1:] == ["release"] for m, ops in ep.calls)   # ops alone: a release
@@ -129,7 +129,7 @@ def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped
         return
     assert got.token_ids == want
     drafts = [m for m, _ in group.calls if m == "draft_batch"]
-    scores = [m for m, _ in target.calls if m == "score_batch"]
+    scores = [m for m, _ in target.calls if m in ("score_batch", "verify_batch")]
     if strategy in ("speculative", "mag", "cs_drafting"):
         assert 0 < len(drafts) <= len(scores) == got.stats.target_forwards
         assert all(m in ("draft_batch", "prefill_batch", None) for m, _ in group.calls)
