@@ -23,6 +23,8 @@ completions against the held-out files' true continuations.  Writes a PNG plot a
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from pathlib import Path
@@ -86,7 +88,9 @@ def expected_accepted(draft: list[int], q: torch.Tensor, p: torch.Tensor) -> tup
 
 def run_verify(args, cfg) -> int:
     threads = _threads()
-    engine = build_engine(cfg)
+    # the per-row reference sampler: this suite records each verification's (q, p) rows, which the batched
+    # sampler never brings to the host
+    engine = build_engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, sampler="reference")))
     n = check_int("prompts", args.prompts, 1, 256)
     max_new = check_int("max_new_tokens", args.max_new_tokens, 1, cfg.engine.max_new_tokens_limit)
     prompts = [p["prompt_ids"] for p in _prompts(engine, n)]
