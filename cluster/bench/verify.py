@@ -24,7 +24,6 @@ completions against the held-out files' true continuations.  Writes a PNG plot a
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import time
 from pathlib import Path
