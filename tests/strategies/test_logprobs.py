@@ -158,7 +158,7 @@ def test_eos_cut_mid_block_keeps_logprobs_aligned():
     target, drafter = TabularModel("target", 4, seed=1), TabularModel("drafter", 4, seed=2, rng=Rng(0))
     engine = local_engine({"target": target, "drafter": drafter}, EosTokenizer(4))
     prompt, reasons = [0, 1, 3, 0, 1], []
-    for seed in range(30):
+    for seed in range(60):
         res = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=30, seed=seed, logprobs=2,
                                                 prompt_logprobs=1, sampling=SamplingParams(1.0), options={"k": 4}))
         s = res.stats                  # steps emit accepted + 1 each; beyond the ids kept and the EOS: cut mid-block
