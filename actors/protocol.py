@@ -105,7 +105,7 @@ def expand_onehot(method: str, out, vocab_size: int):
 def pack(out):
     """Tensors as numpy arrays, recursively through lists, tuples and dataclasses (draft blocks)."""
     if isinstance(out, torch.Tensor):
-        return out.numpy()
+        return out.detach().cpu().numpy()                # a device tensor crosses here, and only here
     if isinstance(out, tuple) and hasattr(out, "_fields"):          # a NamedTuple (a verdict)
         return type(out)(*(pack(x) for x in out))
     if isinstance(out, (list, tuple)):

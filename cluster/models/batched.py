@@ -179,7 +179,8 @@ class BatchedHFWorker(BatchedHandle):
         reqs = [self._get(rid) for rid, *_ in items]
         out = [[] for _ in items]
         starts = [len(r.tokens) for r in reqs]
-        rows_of = torch.empty(len(items), max([k for _, k, _, _ in items], default=0), self.vocab_size)  # [B, k, V]
+        rows_of = torch.empty(len(items), max([k for _, k, _, _ in items], default=0), self.vocab_size,
+                              device=self.device)                                      # [B, k, V]
         live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
         step = 0
         while live:
@@ -187,27 +188,41 @@ class BatchedHFWorker(BatchedHandle):
             rows = [reqs[i] for i in live]
             logits, hid, at = self._forward(rows, hidden=any(items[i][2] is not None for i in live), raw=True)
             last = logits[[b for b, _ in at], [n - 1 for _, n in at]].float()           # [B, V]
-            for j, req in enumerate(rows):
-                if req.sampling.constraint is not None:                 # a grammar's law (core/constraint.py)
-                    last[j] = mask_logits(last[j], req.sampling.constraint.allowed(req.tokens).to(last.device))
+            cons = [j for j, r in enumerate(rows) if r.sampling.constraint is not None]
+            if cons:                                      # grammars' laws (core/constraint.py): one batched mask
+                allowed = torch.stack([rows[j].sampling.constraint.allowed(rows[j].tokens) for j in cons])
+                last[cons] = mask_logits(last[cons], allowed.to(last.device))
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
             toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
-            rows_of[live, step - 1] = last.cpu()
+            rows_of[live, step - 1] = last
+            accept = self._accept_probs(items, live, hid, at) if step >= 2 and hid is not None else {}
             done = set()
             for j, (i, tok) in enumerate(zip(live, toks)):
                 req, (_, k, head, rule) = reqs[i], items[i]
                 req.tokens.append(tok)
                 out[i].append(tok)
-                if rule is None:
-                    stop = step >= k
-                else:                                                # e_{i-1}: candidate i-1's acceptance
-                    e = hid[at[j][0], at[j][1] - 1].float().cpu()
-                    stop = rule.after(tok, head.accept_prob(e) if step >= 2 and head is not None else None)
+                stop = step >= k if rule is None else rule.after(tok, accept.get(j))
                 if stop:
                     done.add(i)
             live = [i for i in live if i not in done]
         return [(toks, rows_of[i, :len(toks)]) for i, toks in enumerate(out)]            # views, no copies
+
+    @staticmethod
+    @torch.inference_mode()
+    def _accept_probs(items, live, hid, at) -> dict[int, float]:
+        """SpecDec++'s a_{i-1} = sigmoid(head(e_{i-1})) for every live row with a head (row j -> probability),
+        one head call per distinct head over the rows' hidden states ``[R, H]`` on the device, one read back."""
+        by_head: dict[int, list[int]] = {}
+        for j, i in enumerate(live):
+            if items[i][2] is not None:
+                by_head.setdefault(id(items[i][2]), []).append(j)
+        out: dict[int, float] = {}
+        for js in by_head.values():
+            head = items[live[js[0]]][2]
+            e = hid[[at[j][0] for j in js], [at[j][1] - 1 for j in js]].float()        # [R, H]
+            out.update(zip(js, torch.sigmoid(head(e)).tolist()))
+        return out
 
     @torch.inference_mode()
     def verify_batch(self, items: list) -> list:
