@@ -137,10 +137,12 @@ class Verify:
     start: int
     method: str = "token"
     logprobs: int | None = None
+    allowed: Any = None          # bool [L+1, V']: a grammar's mask at each row (None: no grammar)
+    law: tuple | None = None     # GenSpecSample's pi = T(q, p) instead of p (VerifyItem.law)
 
     def item(self, rid: str) -> VerifyItem:
         return VerifyItem(rid, list(self.draft), self.block, self.sampling, self.rng, self.start, self.method,
-                          self.logprobs)
+                          self.logprobs, self.allowed, self.law)
 
     @staticmethod
     def run(handle: BatchedHandle, items: list[VerifyItem]) -> list:

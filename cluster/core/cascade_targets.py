@@ -3,7 +3,8 @@
 GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Algorithm 4;
 :func:`cluster.core.verify.gen_spec_verify`) emits, at every draft position, a token distributed exactly
 as a *target distribution* pi = T(q, p) built from the drafter's q and the verifier's p.  This module
-holds those functions T, pure over ``[..., V]`` float64 tensors:
+holds those functions T, pure over ``[..., V]`` tensors (float64 in the per-row reference and the exactness
+tests, float32 on the device in serving):
 
 * :func:`lossy_target`    lossy speculative sampling (Narasimhan et al. 2024, Faster Cascades, Table 1 row
   "Lossy SpecDecoding", Lemma in its appendix; Tran-Thien 2023): pi = max{min{q, p/(1-alpha)}, p/beta},
@@ -35,6 +36,13 @@ ALPHA_RANGE = (-2.0, 1.0)     # cascade rules: -2 = always defer, 1 = never defe
 BETA_SOLVE = "solve"      # lossy_target's beta: solved per position (Tran-Thien 2023) instead of a number
 
 
+def _real(q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in their common floating dtype (float64 when neither is floating)."""
+    dt = torch.promote_types(q.dtype, p.dtype)
+    dt = dt if dt.is_floating_point else torch.float64
+    return q.to(dt), p.to(dt)
+
+
 def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: float | str = BETA_SOLVE) -> torch.Tensor:
     """Lossy speculative sampling's target: beta solved (:data:`BETA_SOLVE`) or a fixed number
     (:func:`lossy_target_fixed_beta`, e.g. the paper's heuristic beta = 1).
@@ -46,7 +54,7 @@ def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: float | s
     Run through GenSpecSample, this accepts x w.p. min(1, p(x) / ((1-alpha) q(x))) and recovers from
     norm(max{0, p/beta - q}) (Narasimhan et al. 2024, Faster Cascades, section 2).
 
-    q, p: ``[..., V]`` probability tensors; alpha in [0, 1).  Returns pi ``[..., V]`` (float64).
+    q, p: ``[..., V]`` probability tensors; alpha in [0, 1).  Returns pi ``[..., V]`` (in the inputs' dtype).
 
     Solved exactly, not by grid search: with t = 1/beta in (0, 1/(1-alpha)] and m = min{q, p/(1-alpha)},
     g(t) = sum_x max{m_x, t p_x} is continuous, non-decreasing and piecewise linear with breakpoints
@@ -56,7 +64,7 @@ def lossy_target(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: float | s
     alpha = check_float("alpha", alpha, 0.0, 1.0, high_open=True)
     if beta != BETA_SOLVE:
         return lossy_target_fixed_beta(q, p, alpha, beta)
-    q, p = q.to(torch.float64), p.to(torch.float64)
+    q, p = _real(q, p)
     if alpha == 0.0:
         return p.clone()
     m = torch.minimum(q, p / (1.0 - alpha))                                     # [..., V]
@@ -88,11 +96,11 @@ def lossy_target_fixed_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, beta
     with equality only if beta = 1 and p = q, where nothing is rejected).  Table 1's max{m, p/beta} is a
     distribution only for the solved beta (:func:`lossy_target`); alpha = 0, beta = 1 gives pi = p.
 
-    q, p: ``[..., V]``; alpha in [0, 1); beta in [1-alpha, 1].  Returns pi ``[..., V]`` (float64).
+    q, p: ``[..., V]``; alpha in [0, 1); beta in [1-alpha, 1].  Returns pi ``[..., V]`` (in the inputs' dtype).
     """
     alpha = check_float("alpha", alpha, 0.0, 1.0, high_open=True)
     beta = check_beta(beta, alpha)
-    q, p = q.to(torch.float64), p.to(torch.float64)
+    q, p = _real(q, p)
     m = torch.minimum(q, p / (1.0 - alpha))                                     # [..., V]
     r = torch.clamp(p / beta - q, min=0.0)                                     # [..., V]
     mass = r.sum(-1, keepdim=True)
@@ -187,9 +195,9 @@ def cascade_target(q: torch.Tensor, p: torch.Tensor, rule: str, alpha: float,
     if rule not in RULES:
         raise ParamError("rule", "one of " + ", ".join(RULES), rule)
     alpha = check_float("alpha", alpha, *ALPHA_RANGE)
-    q, p = q.to(torch.float64), p.to(torch.float64)
-    q_raw = q if q_raw is None else q_raw.to(torch.float64)
-    p_raw = p if p_raw is None else p_raw.to(torch.float64)
+    q, p = _real(q, p)
+    q_raw = q if q_raw is None else q_raw.to(q.dtype)
+    p_raw = p if p_raw is None else p_raw.to(q.dtype)
     if rule in TOKEN_RULES:
         return token_mix(q, p, TOKEN_RULES[rule](q_raw, p_raw, alpha))
     return mix(q, p, SEQUENCE_RULES[rule](q_raw, p_raw, alpha, tv_dist=tv(p, q)))
@@ -202,4 +210,4 @@ def deferral_rate(q_raw: torch.Tensor, p_raw: torch.Tensor, q: torch.Tensor, rul
     if rule in TOKEN_RULES:
         return (TOKEN_RULES[rule](q_raw, p_raw, alpha).to(q.dtype) * q).sum(-1)
     tvd = tv(p if p is not None else p_raw, q)
-    return SEQUENCE_RULES[rule](q_raw, p_raw, alpha, tv_dist=tvd).to(torch.float64)
+    return SEQUENCE_RULES[rule](q_raw, p_raw, alpha, tv_dist=tvd).to(q.dtype)

@@ -54,13 +54,13 @@ class Grammar(Protocol):
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``logits [..., V]`` with every token outside ``allowed [V']`` set to -inf (a mask shorter than the
-    logits forbids the rest: padding rows of a model's vocabulary are never allowed).  A row that gives no
-    allowed token a finite logit (a model with exact zeros, e.g. a tabular test drafter) becomes uniform
-    over the allowed tokens, so the masked law is always defined."""
+    """``logits [..., V]`` with every token outside ``allowed [..., V']`` (one mask, or one per row) set to
+    -inf (a mask shorter than the logits forbids the rest: padding rows of a model's vocabulary are never
+    allowed).  A row that gives no allowed token a finite logit (a model with exact zeros, e.g. a tabular test
+    drafter) becomes uniform over the allowed tokens, so the masked law is always defined."""
     V = logits.shape[-1]
-    keep = allowed[:V] if allowed.shape[-1] >= V else \
-        torch.cat([allowed, torch.zeros(V - allowed.shape[-1], dtype=torch.bool)])
+    keep = allowed[..., :V] if allowed.shape[-1] >= V else torch.cat(
+        [allowed, allowed.new_zeros(*allowed.shape[:-1], V - allowed.shape[-1])], -1)
     out = logits.masked_fill(~keep, float("-inf"))
     dead = ~torch.isfinite(out).any(-1, keepdim=True)                       # [..., 1]
     return torch.where(dead & keep, torch.zeros_like(out), out)
@@ -73,10 +73,15 @@ def constrain_rows(constraint: Constraint | None, prefix: Sequence[int], draft: 
     successors (only end of text): verification never reaches them (that token has p = 0)."""
     if constraint is None:
         return logits
+    return mask_logits(logits, row_masks(constraint, prefix, draft).to(logits.device))
+
+
+def row_masks(constraint: Constraint, prefix: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+    """Bool ``[L+1, V']``: row i the tokens the grammar allows after ``prefix + draft[:i]``."""
     seq = list(prefix)
     rows = []
-    for i in range(logits.shape[0]):
-        rows.append(mask_logits(logits[i], constraint.allowed(seq)))
+    for i in range(len(draft) + 1):
+        rows.append(constraint.allowed(seq))
         if i < len(draft):
             seq.append(draft[i])
     return torch.stack(rows)

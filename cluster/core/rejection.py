@@ -284,24 +284,36 @@ def _onehot_at(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, rs: RowSampling,
                  draws: Draws, *, q: "torch.Tensor | Laws | None" = None, det: torch.Tensor | None = None,
-                 method: str = "token") -> Verdicts:
+                 method: str = "token", target: torch.Tensor | None = None,
+                 p: torch.Tensor | None = None) -> Verdicts:
     """The rejection sampler over every row of a round (shapes in the module docstring); ``method``
-    ``token`` (Leviathan et al., Alg. 1) or ``block`` (Sun et al., Alg. 3).  ``q``: the draft laws as
-    probabilities ``[B, K, V]``, or as :class:`Laws` (a drafter's raw logits, read only where needed)."""
+    ``token`` (Leviathan et al., Alg. 1), ``block`` (Sun et al., Alg. 3) or ``accept`` (every draft token is
+    kept, only the next token is drawn: a cascade that did not defer).  ``q``: the draft laws as
+    probabilities ``[B, K, V]``, or as :class:`Laws` (a drafter's raw logits, read only where needed).
+
+    ``target [B, K, V]``: GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Alg. 4)
+    towards pi = ``target`` at the drafted positions instead of p: accept x_i w.p. min(1, pi_i(x_i) / q_i(x_i)),
+    recover from norm(max(0, pi_i - q_i)); the bonus still comes from p's row L.  ``p [B, K+1, V]``: the
+    verifier's laws as probabilities (default: from ``logits`` under ``rs``)."""
     B, K1, V = logits.shape
     K = K1 - 1
     rows = torch.arange(B, device=logits.device)
     valid = torch.arange(K, device=logits.device)[None] < lengths[:, None]          # [B, K]
     if rs.n_greedy:                                                                 # argmax comparisons
         arg = logits.argmax(-1)                                                     # [B, K+1]
-        g_acc = ((draft == arg[:, :K]) & valid).long().cumprod(-1).sum(-1)
+        g_acc = lengths if method == "accept" else ((draft == arg[:, :K]) & valid).long().cumprod(-1).sum(-1)
         g_next = arg[rows, g_acc]
         if rs.all_greedy:
             return Verdicts(g_acc, g_next, g_acc == lengths)
-    p = Laws(logits, rs)
+    p = Laws(logits, rs, probs=p)
     if isinstance(q, torch.Tensor):
         q = Laws(None, rs, probs=q)
-    px = p.at(draft)                                                                # [B, K]
+    if method == "accept":
+        return _accept_all(p, lengths, rs, draws, g_acc if rs.n_greedy else None, g_next if rs.n_greedy else None)
+    pi = p if target is None else Laws(None, rs, probs=target)
+    if target is not None and method != "token":
+        raise ValueError(f"GenSpecSample verifies token by token, not by {method!r}")
+    px = pi.at(draft)                                                               # [B, K]
     qx = torch.ones_like(px) if q is None else q.at(draft)
     if q is not None and det is not None:
         qx = torch.where(det[:, None], 1.0, qx)
@@ -320,18 +332,27 @@ def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tenso
     bonus = acc == lengths
     p_row = p.row(acc)                                                              # [B, V]
     at = acc.clamp(max=max(K - 1, 0))
+    t_row = p_row if target is None else pi.row(at) if K else p_row                 # the law to recover
     x_at = draft[rows, at] if K else torch.zeros_like(acc)
-    q_row = _onehot_at(x_at, p_row) if q is None else q.row(at) if det is None else \
+    q_row = _onehot_at(x_at, p_row) if q is None or not K else q.row(at) if det is None else \
         torch.where(det[:, None], _onehot_at(x_at, p_row), q.row(at))
-    res = torch.clamp(scale[:, None] * p_row - q_row, min=0.0)
+    res = torch.clamp(scale[:, None] * t_row - q_row, min=0.0)
     mass = res.sum(-1, keepdim=True)
-    res = torch.where(mass > 0, res / torch.where(mass > 0, mass, 1.0), p_row)
+    res = torch.where(mass > 0, res / torch.where(mass > 0, mass, 1.0), t_row)
     final = torch.where(bonus[:, None], p_row, res)
     tok = draws.categorical(final, ~rs.greedy)
     if rs.n_greedy:
         acc, tok = torch.where(rs.greedy, g_acc, acc), torch.where(rs.greedy, g_next, tok)
         bonus = acc == lengths
     return Verdicts(acc, tok, bonus)
+
+
+def _accept_all(p: Laws, lengths, rs: RowSampling, draws: Draws, g_acc, g_next) -> Verdicts:
+    """Method ``accept``: the whole draft kept, the next token drawn from p's row L (argmax for greedy rows)."""
+    tok = draws.categorical(p.row(lengths), ~rs.greedy)
+    if g_next is not None:
+        tok = torch.where(rs.greedy, g_next, tok)
+    return Verdicts(lengths, tok, torch.ones_like(lengths, dtype=torch.bool))
 
 
 def _block_tau(p, px, qx, draft, lengths, valid, det, q, draws, live):

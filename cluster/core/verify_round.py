@@ -7,10 +7,13 @@ Only requests that asked for logprobs have rows of the target's logits read for 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
 
+from cluster.core.cascade_targets import cascade_target, deferral_rate, lossy_target
+from cluster.core.constraint import mask_logits
 from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.rejection import CounterDraws, Laws, RngDraws, RowSampling, probs_batch, verify_batch
 from cluster.core.sampling import Rng, SamplingParams
@@ -27,6 +30,9 @@ class VerifyItem(NamedTuple):
     start: int                   # the request's sequence length where the step began (the draws' counter)
     method: str = "token"        # "token" (Leviathan et al.) or "block" (Sun et al.)
     logprobs: int | None = None  # top-n target logprobs of each emitted token (None: not asked)
+    allowed: Any = None          # bool [L+1, V']: a grammar's mask at each row (None: no grammar)
+    law: tuple | None = None     # GenSpecSample's pi = T(q, p) (None: p): ("cascade", rule, alpha, bonus) or
+                                 # ("lossy", alpha, beta, bonus); bonus "pi": block.q has row L+1 for pi_{L+1}
 
 
 class Verified(NamedTuple):
@@ -34,6 +40,7 @@ class Verified(NamedTuple):
     next_token: int
     bonus: bool
     logprobs: list[TokenLogprob] | None
+    deferred: float = 0.0        # a cascade's expected deferrals over the positions its pi was used at
 
 
 def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -73,35 +80,99 @@ def _q_rows(items, rs: RowSampling, K: int, V: int, device, dtype):
     return q, det_t
 
 
+def _masked(logits: torch.Tensor, items: list[VerifyItem]) -> torch.Tensor:
+    """The grammar rows' logits masked by their grammars (:func:`cluster.core.constraint.mask_logits`), in one
+    batched call; the other rows as they are (a copy: the model's logits stay for logprobs)."""
+    idx = [b for b, it in enumerate(items) if it.allowed is not None]
+    keep = torch.ones(len(idx), logits.shape[1], items[idx[0]].allowed.shape[-1], dtype=torch.bool)
+    for j, b in enumerate(idx):
+        keep[j, :items[b].allowed.shape[0]] = items[b].allowed
+    out = logits.clone()
+    out[idx] = mask_logits(logits[idx], keep.to(logits.device))
+    return out
+
+
 def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified]:
     """``logits [B, K+1, V]``: row b's first ``len(draft_b) + 1`` positions are its verification rows, on the
     device the sampler runs on -> one :class:`Verified` per item."""
-    methods = sorted({it.method for it in items})
+    methods = sorted({(it.method, it.law or ()) for it in items})
     if len(methods) > 1:                              # requests with different verifiers: one call per verifier
         out: list = [None] * len(items)
         for m in methods:
-            idx = [b for b, it in enumerate(items) if it.method == m]
+            idx = [b for b, it in enumerate(items) if (it.method, it.law or ()) == m]
             for b, v in zip(idx, verify_round(logits[idx], [items[b] for b in idx])):
                 out[b] = v
         return out
     device, dtype = logits.device, _dtype(logits)
     B, K1, V = logits.shape
     K = max(len(it.draft) for it in items)
-    logits = logits[:, :K + 1]
+    raw = logits = logits[:, :K + 1]
+    if any(it.allowed is not None for it in items):
+        logits = _masked(logits, items)
     rs = RowSampling.of([it.sampling for it in items], V, device, dtype)
     draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
                          device=device).reshape(B, K)
     lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
-    q, det = (None, None) if rs.all_greedy else _q_rows(items, rs, K, V, device, dtype)
     if all(type(it.rng) is Rng or type(it.rng) is int for it in items):
         draws = CounterDraws.of([getattr(it.rng, "seed", it.rng) for it in items], [it.start for it in items], device)
     else:
         draws = RngDraws([it.rng for it in items])
-    verdicts = verify_batch(logits, draft, lengths, rs, draws, q=q, det=det, method=methods[0]).tolist()
+    deferred = None
+    if items[0].law is not None:
+        verdicts, deferred = _gen_spec(logits, items, rs, draft, lengths, draws, items[0].law)
+    else:
+        q, det = (None, None) if rs.all_greedy else _q_rows(items, rs, K, V, device, dtype)
+        verdicts = verify_batch(logits, draft, lengths, rs, draws, q=q, det=det, method=items[0].method)
+    verdicts = verdicts.tolist()
+    deferred = [0.0] * B if deferred is None else deferred.tolist()
     out = []
     for b, (it, (acc, tok, bonus)) in enumerate(zip(items, verdicts)):
         lp = None
         if it.logprobs is not None:
-            lp = token_logprobs(logits[b, :acc + 1].cpu(), it.draft[:acc] + [tok], it.logprobs)
-        out.append(Verified(acc, tok, bonus, lp))
+            lp = token_logprobs(raw[b, :acc + 1].cpu(), it.draft[:acc] + [tok], it.logprobs)
+        out.append(Verified(acc, tok, bonus, lp, deferred[b]))
     return out
+
+
+def _laws(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """Every row's sampling law, a greedy row's as the one-hot of its argmax (what a cascade mixes)."""
+    probs = probs_batch(logits, rs)
+    if not rs.n_greedy:
+        return probs
+    onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(rs.greedy.view(-1, *[1] * (probs.dim() - 1)), onehot, probs)
+
+
+def _gen_spec(logits, items, rs: RowSampling, draft, lengths, draws, law):
+    """A cascade's or lossy sampling's round: pi = T(q, p) at each drafted position from the drafters' raw
+    logits and the target's, on the device (:mod:`cluster.core.cascade_targets`; the rules read the unscaled
+    laws, the mixture the scaled ones), then GenSpecSample through :func:`verify_batch`; with bonus ``pi`` the
+    bonus is drawn from pi_{L+1} = T(q_{L+1}, p_{L+1}).  Greedy rows mix one-hot laws, so they draw as sampled
+    rows (every draw is then 0 or 1).  -> (verdicts, expected deferrals per row [B] or None)."""
+    kind, a, b, bonus = law
+    B, K1, V = logits.shape
+    K, n = K1 - 1, K1 - 1 + (bonus == "pi")
+    empty = logits.new_empty(0, V)
+    q_logits = stack_rows([it.block.q[:len(it.draft) + (bonus == "pi")].to(logits) if it.block is not None
+                           else empty for it in items])
+    q_logits = torch.cat([q_logits, q_logits.new_zeros(B, n - q_logits.shape[1], V)], 1) \
+        if q_logits.shape[1] < n else q_logits[:, :n]                                    # [B, n, V]
+    sampled = dataclasses.replace(rs, greedy=torch.zeros_like(rs.greedy), n_greedy=0)
+    q, p = _laws(q_logits, rs), _laws(logits, rs)                                       # scaled [B, n | K+1, V]
+    at = torch.arange(n, device=logits.device)[None]
+    used = at < (lengths[:, None] + (bonus == "pi"))                                    # [B, n]
+    if kind == "cascade":
+        q_raw, p_raw = torch.softmax(q_logits, -1), torch.softmax(logits[:, :n], -1)
+        pi = cascade_target(q, p[:, :n], a, b, q_raw, p_raw)
+        rate = deferral_rate(q_raw, p_raw, q, a, b, p[:, :n]).to(logits.dtype)          # [B, n]
+    else:
+        pi, rate = lossy_target(q, p[:, :n], a, b), None
+    if bonus == "pi":                      # the bonus row of p is pi_{L+1} (row L of pi)
+        rows = torch.arange(B, device=logits.device)
+        p = p.clone()
+        p[rows, lengths] = pi[rows, lengths]
+    verdicts = verify_batch(logits, draft, lengths, sampled, draws, q=q[:, :K], target=pi[:, :K], p=p)
+    if rate is None:
+        return verdicts, None
+    counted = (at < lengths[:, None]) | ((at == lengths[:, None]) & used & verdicts.bonus[:, None])
+    return verdicts, (rate * counted).sum(-1)

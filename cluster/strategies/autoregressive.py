@@ -26,7 +26,7 @@ def plain_step(ctx: StepContext):
         tok = v.next_token
         if ctx.logprobs is not None:
             ctx.step_logprobs = v.logprobs
-    else:                                              # the per-row reference (grammar rows; the oracle's engine)
+    else:                                              # the per-row reference (engine.sampler: reference)
         logits = yield Score(ctx.target_name, ())          # [1, V]
         tok = sample(ctx.target_probs(logits)[0], ctx.rng)
         ctx.record_logprobs(logits, [tok])

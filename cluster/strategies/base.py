@@ -17,13 +17,14 @@ CLI flags, YAML defaults and the gRPC request's options map are all parsed and r
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Generator
 
 import torch
 
 from cluster.core.calls import Draft, ModelCall, Propose, ProposeAdaptive, Score, Verify  # noqa: F401 (re-exported)
-from cluster.core.constraint import constrain_rows
+from cluster.core.constraint import constrain_rows, row_masks
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.logprobs import TokenLogprob, token_logprobs
@@ -102,14 +103,19 @@ class StepContext:
 
     @property
     def batched_verify(self) -> bool:
-        """Whether this step verifies through :class:`Verify` (the batched sampler on the target's device); a
-        grammar's rows keep the per-row reference path, whose masks the grammar computes row by row anyway."""
-        return self.batched and self.sampling.constraint is None
+        """Whether this step verifies through :class:`Verify` (the batched sampler on the target's device);
+        False: the per-row reference (``engine.sampler: reference``)."""
+        return self.batched
 
-    def verify(self, draft, block, method: str = "token") -> Verify:
-        """The step's :class:`Verify` call on the target: ``draft`` with q as ``block`` travels."""
-        return Verify(self.target_name, tuple(draft), block, self.sampling, self.rng, len(self.tokens), method,
-                      self.logprobs)
+    def verify(self, draft, block, method: str = "token", law: tuple | None = None) -> Verify:
+        """The step's :class:`Verify` call on the target: ``draft`` with q as ``block`` travels, and for a
+        grammar's request its masks at each row instead of its state (the grammar lives with the engine);
+        ``law``: a cascade's pi (:class:`cluster.core.verify_round.VerifyItem`)."""
+        c, sampling, allowed = self.sampling.constraint, self.sampling, None
+        if c is not None:
+            allowed, sampling = row_masks(c, self.tokens, draft), dataclasses.replace(sampling, constraint=None)
+        return Verify(self.target_name, tuple(draft), block, sampling, self.rng, len(self.tokens), method,
+                      self.logprobs, allowed, law)
 
     def record_logprobs(self, target_logits: torch.Tensor, emitted: list[int]) -> None:
         """Every strategy calls this once per step with the target's raw logits ``[>= N, V]`` whose row i

@@ -38,6 +38,7 @@ from cluster.core.cascade_targets import (
     deferral_rate,
     lossy_target,
 )
+from cluster.core.draft.programs import DraftBlock
 from cluster.core.sampling import UNSCALED, logits_to_probs, sample
 from cluster.core.verify import gen_spec_prefix
 from cluster.errors import ParamError
@@ -89,13 +90,18 @@ class _Cascade(Strategy):
         return [self.target_name, self.drafter]
 
 
-def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn, bonus: str = "p"):
+def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn, bonus: str = "p", law: tuple = ()):
     """One draft-score-GenSpecSample step with pi = target_fn(q, p, q_raw, p_raw) (``[n, V]`` each).
 
     Drafts up to the whole remaining budget.  A fully accepted draft gets a bonus token from p[k]
-    (``bonus="p"``) or from pi at position k+1 (``bonus="pi"``, after one drafter forward for q there);
-    none when the draft already fills the budget (it would be cut).
+    (``bonus="p"``) or from pi at position k+1 (``bonus="pi"``, from one more drafter forward for q there);
+    none when the draft already fills the budget (it would be cut).  Through the batched sampler (``law``:
+    pi's name and parameters, :class:`cluster.core.verify_round.VerifyItem`) pi is built on the target's
+    device and the bonus-pi forward is drafted with the block (one drafter call); the per-row reference
+    (``engine.sampler: reference``) calls ``target_fn`` on the host.
     """
+    if ctx.batched_verify:
+        return (yield from _gen_spec_batched(ctx, drafter_name, k, bonus, law))
     drafter, target = ctx.models[drafter_name], ctx.target
     draft, q_logits = yield Propose(drafter_name, k)               # [k], [k, V]
     ctx.stats.forward(drafter_name, len(draft))
@@ -125,6 +131,26 @@ def gen_spec_step(ctx: StepContext, drafter_name: str, k: int, target_fn, bonus:
     return emitted
 
 
+def _gen_spec_batched(ctx: StepContext, drafter_name: str, k: int, bonus: str, law: tuple):
+    extra = int(bonus == "pi" and k < ctx.budget)                 # q_{t+gamma} drafted with the block
+    draft, q_logits = yield Propose(drafter_name, k + extra)       # [k (+1)], [k (+1), V]
+    ctx.stats.forward(drafter_name, len(draft))
+    extra = min(extra, max(len(draft) - k, 0))
+    draft = draft[:len(draft) - extra]
+    v = yield ctx.verify(draft, DraftBlock(draft, "logits", q_logits), "token",
+                         law + ("pi" if extra else "p",))
+    ctx.stats.forward(ctx.target_name, target=True)
+    ctx.stats.verification(len(draft), v.accepted)
+    if law[0] == "cascade":
+        ctx.stats.deferral(len(draft) + int(bool(extra) and v.bonus), v.deferred)
+    new = [] if v.bonus and len(draft) >= ctx.budget else [v.next_token]
+    ctx.commit([ctx.target, ctx.models[drafter_name]], v.accepted, new)
+    emitted = draft[:v.accepted] + new
+    if ctx.logprobs is not None:                 # the target's numbers, not pi's (lossy: see the module)
+        ctx.step_logprobs = v.logprobs[:len(emitted)]
+    return emitted
+
+
 @register
 class SpecCascade(_Cascade):
     name = "spec_cascade"
@@ -139,7 +165,8 @@ class SpecCascade(_Cascade):
         def fn(q, p, q_raw, p_raw):
             _record_deferrals(ctx, q, p, q_raw, p_raw, self.rule, self.alpha)
             return cascade_target(q, p, self.rule, self.alpha, q_raw, p_raw)
-        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"])
+        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"],
+                             ("cascade", self.rule, self.alpha))
 
 
 def _record_deferrals(ctx: StepContext, q, p, q_raw, p_raw, rule: str, alpha: float) -> None:
@@ -164,7 +191,8 @@ class Lossy(_Cascade):
 
     def step(self, ctx: StepContext):
         fn = lambda q, p, q_raw, p_raw: lossy_target(q, p, self.alpha, self.beta)
-        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"])
+        return gen_spec_step(ctx, self.drafter, min(self.k, ctx.budget), fn, self.opts["bonus"],
+                             ("lossy", self.alpha, self.beta))
 
 
 @register
@@ -185,11 +213,16 @@ class TokenCascade(_Cascade):
                 kept += toks                                                   # keep q's sample
                 continue
             # defer: drop the drafter's token; one target pass over the kept run gives p here
-            p_logits = yield Score(self.target_name, tuple(kept))              # [len(kept)+1, V]
+            if ctx.batched_verify:                 # the run kept as it is, the token drawn on the device
+                v = yield ctx.verify(kept, None, "accept")
+                tok = v.next_token
+                ctx.step_logprobs = v.logprobs
+            else:
+                p_logits = yield Score(self.target_name, tuple(kept))          # [len(kept)+1, V]
+                tok = sample(ctx.probs(p_logits[-1]), ctx.rng)
+                ctx.record_logprobs(p_logits, kept + [tok])
             ctx.stats.forward(self.target_name, target=True)
-            tok = sample(ctx.probs(p_logits[-1]), ctx.rng)
             ctx.commit([target, drafter], len(kept), [tok])
-            ctx.record_logprobs(p_logits, kept + [tok])
             return kept + [tok]
         if ctx.logprobs is None:
             ctx.commit([target], 0, kept)          # the target catches up on its next call
@@ -211,6 +244,14 @@ class OracleCascade(_Cascade):
         drafter, target = ctx.models[self.drafter], ctx.target
         _, q_logits = yield Propose(self.drafter, 1)                           # [1, V]
         ctx.stats.forward(self.drafter, 1)
+        if ctx.batched_verify:             # pi_1 = T(q_1, p_1) as a bonus law after an empty draft, on the device
+            v = yield ctx.verify((), DraftBlock([], "logits", q_logits), "token",
+                                 ("cascade", self.opts["rule"], self.alpha, "pi"))
+            ctx.stats.forward(self.target_name, target=True)
+            ctx.stats.deferral(1, v.deferred)
+            ctx.commit([target, drafter], 0, [v.next_token])
+            ctx.step_logprobs = v.logprobs
+            return [v.next_token]
         p_logits = yield Score(self.target_name, ())                           # [1, V]
         ctx.stats.forward(self.target_name, target=True)
         q, p = ctx.probs(q_logits), ctx.probs(p_logits)

@@ -95,7 +95,7 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
         accepted, next_token = v.accepted, v.next_token
         if ctx.logprobs is not None:
             ctx.step_logprobs = v.logprobs
-    else:                                      # the per-row reference (grammar rows; the oracle's engine)
+    else:                                      # the per-row reference (engine.sampler: reference)
         p_logits = yield Score(ctx.target_name, tuple(draft))                          # [L+1, V]
         p = ctx.target_probs(p_logits, draft)                                         # masked by a grammar
         q = block.probs(p.shape[-1], ctx.sampling) if block.tokens else p[:0]         # [L, V]

@@ -111,10 +111,10 @@ def _models(vocab, seed):
     return TabularModel("target", vocab, seed=seed), TabularModel("drafter", vocab, seed=seed + 1000, zeros=True)
 
 
-def _engine_dist(target, drafter, strategy, options, n, sampling):
+def _engine_dist(target, drafter, strategy, options, n, sampling, sampler="batched"):
     holder = {}
     engine = local_engine({"target": target, "drafter": drafter}, VocabTokenizer(target.vocab_size),
-                    rng_factory=lambda s: holder["rng"])
+                          rng_factory=lambda s: holder["rng"], sampler=sampler)
 
     def run(rng):
         holder["rng"] = drafter.rng = rng

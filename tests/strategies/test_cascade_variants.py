@@ -30,8 +30,26 @@ T1 = SamplingParams(1.0)
 NEVER, ALWAYS = 1.0, -2.0
 
 
-def _engine_dist(target, drafter, strategy, options, n, sampling=T1):
-    return _cascade_dist(target, drafter, strategy, options, n, sampling)
+def _engine_dist(target, drafter, strategy, options, n, sampling=T1, sampler="batched"):
+    return _cascade_dist(target, drafter, strategy, options, n, sampling, sampler)
+
+
+@pytest.mark.parametrize("strategy,options,sampling", [
+    ("spec_cascade", {"rule": "opt", "alpha": 0.2, "k": 2, "bonus": "pi"}, T1),
+    ("spec_cascade", {"rule": "token_v1", "alpha": 0.1, "k": 1}, SamplingParams(0.7, top_k=2)),
+    ("spec_cascade", {"rule": "chow", "alpha": 0.5, "k": 2, "bonus": "pi"}, SamplingParams(0.0)),
+    ("lossy", {"alpha": 0.3, "k": 2, "beta": "solve", "bonus": "pi"}, T1),
+    ("lossy", {"alpha": 0.3, "k": 1, "beta": 0.8}, SamplingParams(1.0, top_p=0.8)),
+    ("oracle_cascade", {"rule": "diff", "alpha": 0.05}, T1),
+    ("oracle_cascade", {"rule": "token_v2", "alpha": 0.2}, SamplingParams(0.0)),
+    ("token_cascade", {"alpha": 0.4}, T1)])
+def test_the_batched_sampler_emits_the_per_row_references_law(strategy, options, sampling):
+    """Each lossy mode's law through the batched sampler (pi built on the target's device, GenSpecSample over
+    the batch) equals its per-row float64 reference (``engine.sampler: reference``), greedy rows included."""
+    target, drafter = _models(3, 11)
+    got = _engine_dist(target, drafter, strategy, options, 3, sampling)
+    want = _engine_dist(target, drafter, strategy, options, 3, sampling, sampler="reference")
+    assert max_abs_diff(got, want) < 1e-9
 
 
 def block_law(target, drafter, prompt, n, k, sampling, fn, bonus):
@@ -109,7 +127,8 @@ def test_bonus_pi_at_the_alpha_ends_is_drafter_and_target():
 
 def test_bonus_pi_costs_one_drafter_forward_per_full_acceptance(tiny_engine):
     """alpha = 1: pi = q, so every draft of 3 is accepted; 23 tokens = 5 steps of 3 + bonus, then a last draft of
-    3 that fills the budget (no bonus).  bonus=pi pays one drafter forward for each of the 5 bonus tokens."""
+    3 that fills the budget (no bonus).  bonus=pi pays one drafter forward for each of the 5 steps with room for
+    a bonus token (drafted with the block through the batched sampler, after a full acceptance in the reference)."""
     req = dict(prompt="def f(x):", max_new_tokens=23, seed=4, sampling=SamplingParams(1.0), ignore_eos=True)
     for bonus, extra in (("p", 0), ("pi", 5)):
         res = tiny_engine.generate(GenerationRequest(strategy="spec_cascade", options=dict(
