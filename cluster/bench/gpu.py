@@ -3,12 +3,12 @@
 1. **Exactness on the device.**  Every drafting strategy the config serves, greedy, on ``--prompts`` held-out
    prompts, one request at a time and all of them batched together: each output must equal autoregressive
    decoding's on the same device (token for token), with tok/s and the ratio to autoregressive beside it.
-2. **Forward costs there.**  Each model's batched forward seconds by rows x new tokens, measured through the
-   engine's own handles (:func:`cluster.engine.measure.measure_costs`, what the load-aware planner prices with),
-   and the drafter's cost over the target's one-token forward at the same batch, ``c``.
+2. **Forward costs there.**  Each neural model's batched forward seconds by rows x new tokens, measured through
+   the engine's own handles (:func:`cluster.bench.measure.forward_cost_grid`), and the drafter's cost over the
+   target's one-token forward at the same batch, ``c``.
 3. **Closed-loop load there** (:mod:`cluster.bench.load`, in-process, ``--concurrency``, default 1,4,16,32):
-   autoregressive, fixed k, the load-aware planner and CS Drafting at each batch, on the device -- where a
-   verification of k + 1 tokens costs little more than one token, the regime the planner should keep drafting in.
+   autoregressive, fixed k and CS Drafting at each batch, on the device -- where a verification of k + 1 tokens
+   costs little more than one token, which is where ``engine.plain_from_batch`` should stay unset or high.
 4. **The production layout's shapes there** (CUDA only; :mod:`cluster.bench.gpu_shapes`): forward ms of a
    70B-class target's TP = 8 rank and a 1B-class drafter with random weights, and the closed-form projection
    (:mod:`cluster.bench.projection`) on those measured costs in place of its shipped ones.
@@ -32,10 +32,9 @@ import torch
 from cluster.bench import SUITES, gpu_shapes, projection
 from cluster.bench.load import collect, parse_runtimes
 from cluster.bench.load_report import mismatches
-from cluster.bench.measure import drafting_rows
+from cluster.bench.measure import drafting_rows, forward_cost_grid
 from cluster.bench.report import print_table, write_results
 from cluster.core.sampling import SamplingParams
-from cluster.engine.measure import measure_costs
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_int
 from cluster.family.corpus import heldout_prompts
@@ -97,16 +96,14 @@ def exactness(engine, cfg, prompts: list[str], max_new: int) -> list[dict]:
 def forward_costs(engine, cfg) -> list[dict]:
     """Each neural model's batched forward ms by rows x new tokens, and c = its ms over the target's 1-token ms."""
     drafters = [n for n in cfg.drafters if n in engine.models and not engine.models[n].deterministic]
-    costs = measure_costs(engine.models, cfg.target, drafters, rows=COST_ROWS, new_tokens=COST_TOKENS, iters=3)
-    target = costs[cfg.target]
-    rows = []
+    costs = {}
     for name in [cfg.target, *drafters]:
-        for r in COST_ROWS:
-            for t in COST_TOKENS if name == cfg.target else (1,):
-                ms = costs[name](r, t) * 1e3
-                rows.append({"model": name, "rows": r, "tokens": t, "ms": round(ms, 3),
-                             "c_vs_target": round(ms / (target(r, 1) * 1e3), 3)})
-    return rows
+        h, tokens = engine.models[name], COST_TOKENS if name == cfg.target else (1,)
+        costs[name] = forward_cost_grid(h, rows=COST_ROWS, new_tokens=tokens, iters=3,
+                                        context=max(1, min(64, h.max_length - max(tokens))))
+    target = costs[cfg.target]
+    return [{"model": name, "rows": r, "tokens": t, "ms": round(s * 1e3, 3),
+             "c_vs_target": round(s / target[(r, 1)], 3)} for name, grid in costs.items() for (r, t), s in grid.items()]
 
 
 def production_shapes(device: str, name: str, out: Path) -> None:
@@ -155,7 +152,7 @@ def run(args, cfg) -> int:
         write_results(equal, out, "gpu_exactness")
         write_results(costs, out, "gpu_forward_costs")
         rc |= int(any(r["equal_alone"] != r["prompts"] or r["equal_batched"] != r["prompts"] for r in equal))
-        del engine                         # the load step builds its own (with the planner), on the same device
+        del engine                         # the load step builds its own, on the same device
         levels = getattr(args, "concurrency", None) or LOAD_LEVELS
         measured = collect(argparse.Namespace(**{**vars(args), "runtime": "in-process", "concurrency": levels}),
                            cfg).levels

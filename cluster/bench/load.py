@@ -3,10 +3,8 @@
 At each concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32) ``c`` clients each send their next
 request as soon as the previous one has finished, ``2 * c`` requests per level (held-out prompts cycled,
 ``ignore_eos`` so every request generates exactly ``--max-new-tokens``).  Rows: autoregressive,
-speculative with the config's drafter and k, speculative with the load-aware planner
-(``plan=load_aware, k=8``; costs measured once at start) and CS Drafting (default options, where the
-models allow it), all on the SAME engine (``build_engine(cfg, planner=True)``) so nothing differs but
-the strategy.  Per level every row runs in turn on the same prompts (and each runtime in turn), so ratios
+speculative with the config's drafter and k, and CS Drafting (default options, where the models allow it), all
+on the SAME engine (the config's, ``engine.plain_from_batch`` included) so nothing differs but the strategy.  Per level every row runs in turn on the same prompts (and each runtime in turn), so ratios
 are side by side on a noisy machine.  Every level keeps 2 * c requests: on the embedded family
 (configs/local.yaml) the default run, both runtimes, takes about 2.5 minutes here (cluster start-up
 ~12-18 s of it), so no level is cut down.
@@ -35,7 +33,6 @@ from cluster.local import build_engine
 
 LEVELS = (1, 2, 4, 8, 16, 32)
 RUNTIMES = ("in-process", "cluster")
-LOAD_AWARE_K = 8
 WARMUP_TOKENS = 4
 
 
@@ -108,11 +105,8 @@ def rows_for(engine, cfg) -> dict[str, tuple[str, dict]]:
     """Row name -> (strategy, options), for the rows this engine can serve."""
     k = int(cfg.engine.options.get("k", 4))
     drafter = cfg.engine.options.get("drafter")
-    fixed = {"k": k, "plan": "fixed", **({"drafter": drafter} if drafter else {})}
-    aware = {"k": LOAD_AWARE_K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}
+    fixed = {"k": k, **({"drafter": drafter} if drafter else {})}
     cands = {"autoregressive": ("autoregressive", {}), f"speculative k={k}": ("speculative", fixed),
-             f"load-aware k<={LOAD_AWARE_K}": ("speculative", aware),
-             f"load-aware mag k<={LOAD_AWARE_K}": ("mag", {"k": LOAD_AWARE_K, "plan": "load_aware"}),
              "cs_drafting": ("cs_drafting", {})}
     out = {}
     for name, (strategy, opts) in cands.items():
@@ -223,9 +217,7 @@ def collect(args, cfg) -> Results:
     cap = cfg.engine.max_batch + cfg.engine.max_queue
     if levels[-1] > cap:
         raise ParamError("concurrency", f"at most engine.max_batch + engine.max_queue = {cap}", levels[-1])
-    t0 = time.perf_counter()
-    engine = build_engine(cfg, planner=True)          # the load-aware row's costs, measured once
-    print(f"[bench load: engine and planner measured in {time.perf_counter() - t0:.1f}s]")
+    engine = build_engine(cfg)
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
     rows = rows_for(engine, cfg)
     drivers = {}
@@ -241,7 +233,7 @@ def collect(args, cfg) -> Results:
             if started:
                 ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
             t0 = time.perf_counter()
-            coord = Coordinator(cfg)      # its own planner, costs measured through its handles (at warm-up)
+            coord = Coordinator(cfg)
             print(f"[bench load: cluster up in {time.perf_counter() - t0:.1f}s (topology {coord.topology})]")
             drivers["cluster"] = cdriver = ClusterDriver(coord)
         for rt, drive in drivers.items():            # warm-up (not timed): every row at the largest level

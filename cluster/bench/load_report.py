@@ -79,15 +79,6 @@ def goal_lines(measured, runtimes, rows, levels) -> list[str]:
         ok = None if not (a1 and a16) else a16 >= 5 * a1
         out.append(f"  [{verdict(ok)}] {rt}: autoregressive tok/s at c=16 >= 5x c=1: "
                    + (f"{a16 / a1:.2f}x" if a1 and a16 else "needs c=1 and c=16"))
-        for aware in [r for r in rows if r.startswith("load-aware")]:
-            ratios = {c: tps(rt, aware, c) / tps(rt, "autoregressive", c) for c in levels
-                      if tps(rt, "autoregressive", c)}
-            ok1 = all(r >= 1.0 for r in ratios.values()) if ratios else None
-            out.append(f"  [{verdict(ok1)}] {rt}: {aware} >= autoregressive at every c: "
-                       + ", ".join(f"c={c} {r:.2f}x" for c, r in ratios.items()))
-            ok2 = None if 1 not in ratios else ratios[1] >= 1.2
-            out.append(f"  [{verdict(ok2)}] {rt}: {aware} >= 1.2x autoregressive at c=1: "
-                       + (f"{ratios[1]:.2f}x" if 1 in ratios else "needs c=1"))
         for name in rows:
             m1, m16 = measured.get((rt, name, 1)), measured.get((rt, name, 16))
             ok = None if not (m1 and m16) else m16.tpot_p99() <= 2 * m1.tpot_p99()

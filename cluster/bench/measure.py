@@ -1,7 +1,9 @@
 """Measurements behind ``specserve tune`` and the benchmarks: pairwise acceptance rates alpha(reviewer,
-drafter), per-model call costs, and Max-Gram proposal latency at several context lengths."""
+drafter), per-model call costs, batched forward costs by rows and tokens, and Max-Gram proposal latency at
+several context lengths."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 import time as _time
@@ -10,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cluster.core.calls import PrefillItem, Score, run_group
 from cluster.core.sampling import SamplingParams, logits_to_probs
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
@@ -71,6 +74,37 @@ def measure_costs(engine, names: list[str], prompt: list[int], iters: int = 15) 
         h.release("cost")
         out[name] = statistics.median(ts[2:])
     return out
+
+
+def forward_cost_grid(handle, rows=(1, 4, 8, 16, 32), new_tokens=(1, 5), context: int = 128,
+                      iters: int = 10) -> dict[tuple[int, int], float]:
+    """Wall seconds of one batched score forward through ``handle`` per (r, t) in ``rows`` x ``new_tokens``:
+    r requests (ids ``__grid<i>``) with ``context`` random cached tokens each feed t tokens (the last context token
+    plus a draft of t - 1).  The fastest of ``iters`` timings after one warm-up -- the minimum, not the median:
+    on a shared machine a timing is the call's cost plus whatever interfered.  Every request is rolled back to
+    its context after each call and released at the end."""
+    gen = random.Random(0)
+    result = {}
+    for r in rows:
+        rids = [f"__grid{i}" for i in range(r)]
+        handle.prefill_batch([PrefillItem(rid, [gen.randrange(handle.vocab_size) for _ in range(context)],
+                                          SamplingParams(), i) for i, rid in enumerate(rids)])
+        try:
+            for t in new_tokens:
+                calls = [(rid, Score(handle.name, (1,) * (t - 1))) for rid in rids]
+                times = []
+                for it in range(iters + 1):                  # one warm-up
+                    t0 = time.perf_counter()
+                    run_group(handle, Score, calls)          # one batched call (or per request)
+                    if it:
+                        times.append(time.perf_counter() - t0)
+                    for rid in rids:
+                        handle.rollback(rid, context)
+                result[(r, t)] = min(times)
+        finally:
+            for rid in rids:
+                handle.release(rid)
+    return result
 
 
 def proposal_latency(handle: MagHandle, sizes: Sequence[int] = (256, 1024, 4096), k: int = 8,

@@ -14,7 +14,7 @@ Transformers via Speculative Decoding*, eq. 1):
     tokens per row  E = (1 - a^(k+1)) / (1 - a)            (i.i.d. acceptance a per position)
     step seconds    T = rtt + k * drafter(B, 1) + target(B, k + 1)
 
-priced by :func:`cluster.core.forward_cost.step_seconds`, as the load-aware planner prices a step; the forward
+priced by :func:`cluster.core.forward_cost.step_seconds` (as ``specserve tune`` prices a step); the forward
 tables interpolate linearly in rows between 1 and 32.  Autoregressive decoding is ``target(B, 1)`` for one token;
 Max-Gram drafts for free.  Left out, alike for every row: prefill, the front and the engine's own work per step;
 left out for the drafting rows: pre-drafting and the speculator topology (so the ratio to autoregressive is the

@@ -9,9 +9,8 @@ at the end, on errors and Ctrl-C too.  All traffic goes to 127.0.0.1.
 
 Rows (``--strategies``, default all the config can serve): ``autoregressive``; ``default`` (a request
 naming no strategy: the config's ``engine.strategy`` with its ``engine.options``); ``speculative``
-(drafter-large, or the config's default drafter, fixed k=4); ``load_aware`` (the same with
-``plan=load_aware``); ``mag`` (Max-Gram drafter, fixed k=4), ``mag_load_aware`` (its ``plan=load_aware``),
-``cs_drafting`` (default options but ``plan=fixed``) and ``cs_load_aware`` (its ``plan=load_aware``).  At each
+(drafter-large, or the config's default drafter, k=4); ``mag`` (Max-Gram drafter, its default k) and
+``cs_drafting`` (default options).  At each
 concurrency ``c`` (``--concurrency``, default 1,2,4,8,16,32, clamped to ``engine.max_batch + engine.max_queue``)
 every row runs one cell per mode in turn (interleaved, so a noisy machine affects them alike): ``c`` client threads send
 requests back to back, unary (``Generate``) or streaming (``GenerateStream``), ``--modes`` (default both),
@@ -56,8 +55,7 @@ from cluster.serving.fronts.app import start_serve
 from cluster.serving.client.sdk import SpecServeClient
 from cluster.strategies.mag import K as MAG_K
 
-ROWS = ("autoregressive", "default", "speculative", "load_aware", "mag", "mag_load_aware", "cs_drafting",
-        "cs_load_aware")
+ROWS = ("autoregressive", "default", "speculative", "mag", "cs_drafting")
 MODES = ("unary", "streamed")
 TOPOLOGIES = ("separated", "colocated", "speculator")
 LEVELS = (1, 2, 4, 8, 16, 32)
@@ -76,12 +74,9 @@ def row_specs(cfg) -> dict[str, tuple[str | None, dict]]:
     drafter = PREFERRED_DRAFTER if PREFERRED_DRAFTER in drafters else cfg.engine.options.get("drafter")
     return {"autoregressive": ("autoregressive", {}),
             "default": (None, {}),
-            "speculative": ("speculative", {"k": K, "plan": "fixed", **({"drafter": drafter} if drafter else {})}),
-            "load_aware": ("speculative", {"k": K, "plan": "load_aware", **({"drafter": drafter} if drafter else {})}),
-            "mag": ("mag", {"k": MAG_K.default, "plan": "fixed"}),
-            "mag_load_aware": ("mag", {"k": MAG_K.default, "plan": "load_aware"}),
-            "cs_drafting": ("cs_drafting", {"plan": "fixed"}),
-            "cs_load_aware": ("cs_drafting", {"plan": "load_aware"})}
+            "speculative": ("speculative", {"k": K, **({"drafter": drafter} if drafter else {})}),
+            "mag": ("mag", {"k": MAG_K.default}),
+            "cs_drafting": ("cs_drafting", {})}
 
 
 def parse_choices(name: str, text, allowed: tuple[str, ...]) -> list[str]:

@@ -2,10 +2,10 @@
 
 Acceptance alpha(reviewer, drafter) per pair (:func:`cluster.bench.measure.measure_alphas`) and, for Max-Gram
 proposals, per position (:func:`measure_mag_positions`: a proposal copies a matched run, so its tokens are not
-independent); one-row forward costs by tokens fed (:func:`measure_forward`, the table the load-aware planner
-reads) and the engine's own work per step and per draft token (:func:`measure_overhead`).  Times are this
-process's CPU time (single-threaded torch: the work itself); on a shared machine wall time adds whatever else
-ran, which made the tables too noisy to rank near-equal K-matrices.  The prediction is
+independent); one-row forward costs by tokens fed (:func:`measure_forward`, a
+:class:`cluster.core.forward_cost.ForwardCost` table) and the engine's own work per step and per draft token
+(:func:`measure_overhead`).  Times are this process's CPU time (single-threaded torch: the work itself); on a
+shared machine wall time adds whatever else ran, which made the tables too noisy to rank near-equal K-matrices.  The prediction is
 the EWIF of Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*, section 4, with every
 forward charged by its length (:func:`cluster.core.cost_model.predict_cascade`); the paper's per-call model (one
 unit per model run, i.i.d. acceptance) is kept beside it for comparison.
@@ -28,9 +28,8 @@ TUNE_TOKENS = (1, 2, 4, 8, 16, 32)
 
 
 def measure_forward(engine, names: list[str], prompt: list[int], iters: int = 25) -> dict[str, ForwardCost]:
-    """One-row forward costs by tokens fed, ``{model: ForwardCost}`` over rows (1,) x :data:`TUNE_TOKENS` (the
-    table the load-aware planner reads), for the neural models among ``names``: a ``score`` of t - 1 draft tokens
-    after ``prompt``.  The sizes are interleaved round by round and the median taken, so a burst of load on a
+    """One-row forward costs by tokens fed, ``{model: ForwardCost}`` over rows (1,) x :data:`TUNE_TOKENS`,
+    for the neural models among ``names``: a ``score`` of t - 1 draft tokens after ``prompt``.  The sizes are interleaved round by round and the median taken, so a burst of load on a
     shared machine spreads over every size instead of inflating one; made non-decreasing in tokens."""
     out = {}
     for name in names:

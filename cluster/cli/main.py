@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", help="shapes suite: comma-separated batch sizes (default 1,8,32)")
     b.add_argument("--device", help="gpu suite: cpu, cuda or cuda:N (default: the first CUDA device; none: exit 2)")
     b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
-                   "load_aware, mag, mag_load_aware, cs_drafting, cs_load_aware (default all the config serves)")
+                   "mag, cs_drafting (default all the config serves)")
     b.add_argument("--requests-per-cell", dest="requests_per_cell",
                    help="served suite: requests per cell, at least c (instead of --requests-per-client)")
     b.add_argument("--modes", help="served suite: comma-separated of unary, streamed (default both)")

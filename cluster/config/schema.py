@@ -82,8 +82,9 @@ class EngineSpec:
     # auto = where the draft side has a process of its own (the separated topology), on = also in-process
     # (no concurrency there: for tests), off = never
     overlap: str = "auto"
-    # from this many running requests up, the drafting strategies with a fixed draft length (speculative, mag,
-    # cs_drafting) decode plainly (vLLM's speculative_disable_by_batch_size, per step); null: never
+    # the speculation policy's knob (cluster/engine/policy.py): from this many running requests up, the drafting
+    # strategies with a fixed draft length (speculative, mag, cs_drafting) decode plainly (vLLM's
+    # speculative_disable_by_batch_size, per step); null: never
     plain_from_batch: int | None = None
     # how a step's rows are sampled and verified: batched = the whole round in one call on the target's device
     # (cluster/core/rejection.py); reference = row by row on the host in float64 (the test oracle)

@@ -1,7 +1,7 @@
 """Cost theory of speculative decoding and CS Drafting (Chen et al., *Cascade Speculative Drafting for Even
 Faster LLM Inference*, section 4) and the standardized walltime improvement (SWI, Chen et al. 2024,
-CS Drafting, section 5.1).  The same model priced with measured forward costs (the load-aware planner's) is in
-:mod:`cluster.core.forward_cost`.
+CS Drafting, section 5.1).  The same model priced with measured forward costs (``specserve tune``, the
+production projection) is in :mod:`cluster.core.forward_cost`.
 
 Units: time is measured in target forward passes; ``c`` is a drafter call's cost over a target
 forward pass; acceptance is i.i.d. with probability ``alpha`` (the EWIF assumption).  EWIF = expected

@@ -24,6 +24,7 @@ from cluster.core.stats import RequestStats
 from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
 from cluster.engine.kv_budget import derive_kv_budget
+from cluster.engine.policy import SpeculationPolicy
 from cluster.engine.prefill import Prefilling
 from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
 from cluster.engine.rounds import run_rounds
@@ -44,14 +45,13 @@ class Engine(Prefilling, CallerDriven):
     ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
     engine builds none of it); ``defaults`` holds default strategy options (from the config),
     ``max_new_tokens_limit`` the server-side cap, ``limits`` the batch and queue sizes and KV budget;
-    ``planner`` (optional) picks each step's draft lengths from load; ``plain_from_batch``: from this
-    many running rows up, fixed-length drafting decodes plainly (:meth:`Prefilling._plain_by_batch`).
+    ``policy`` decides which steps draft (:mod:`cluster.engine.policy`).
     """
 
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
-                 limits: Limits = Limits(), planner=None, request_timeout_s: float | None = None,
-                 plain_from_batch: int | None = None, sampler: str = "batched"):
+                 limits: Limits = Limits(), policy: SpeculationPolicy = SpeculationPolicy(),
+                 request_timeout_s: float | None = None, sampler: str = "batched"):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
@@ -61,8 +61,7 @@ class Engine(Prefilling, CallerDriven):
         self.sampler = check_choice("sampler", sampler, SAMPLERS)   # batched on the device, or the per-row reference
         self.vocab_size = min(m.vocab_size for m in self.models.values())
         self.scheduler = Scheduler(limits)
-        self.planner = planner
-        self.plain_from_batch = plain_from_batch   # from this many running rows, fixed-k drafting decodes plainly
+        self.policy = policy
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
         self.health = ModelHealth(self.models)
         self._fallback = REGISTRY["autoregressive"]({}, self.models, self.target)   # target-only steps
@@ -71,32 +70,28 @@ class Engine(Prefilling, CallerDriven):
         self._aborted: set[str] = set()
         self._ended: list[Sequence] = []    # ended this step: still live until the step's flush released them
         self.steps = self.step_rows = 0     # engine steps run, and requests advanced over them (mean batch)
-        self._planned_at: float | None = None   # when the last planned step began, while its period runs
 
     @classmethod
-    def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec, planner=None) -> "Engine":
+    def configured(cls, models: ModelSet, tokenizer: Tokenizer, spec) -> "Engine":
         """An engine from a config's ``engine:`` section (read by attribute; both runtimes use this).  Without
         ``kv_budget_tokens`` the budget is derived from the models' memory reports (:mod:`cluster.engine.kv_budget`)."""
         budget = spec.kv_budget_tokens or derive_kv_budget(
             dict(models.handles), fraction=getattr(spec, "kv_memory_fraction", 0.9),
             memory_gib=getattr(spec, "device_memory_gib", None))
         return cls(models, tokenizer, default_strategy=spec.strategy, defaults=spec.options,
-                   max_new_tokens_limit=spec.max_new_tokens_limit, planner=planner,
+                   max_new_tokens_limit=spec.max_new_tokens_limit,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
-                   request_timeout_s=spec.request_timeout_s,
-                   plain_from_batch=getattr(spec, "plain_from_batch", None), sampler=getattr(spec, "sampler", "batched"))
+                   policy=SpeculationPolicy(getattr(spec, "plain_from_batch", None)),
+                   request_timeout_s=spec.request_timeout_s, sampler=getattr(spec, "sampler", "batched"))
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
         """Validate and tokenize ``req`` once (raises ParamError); a prepared request passes through."""
         if isinstance(req, PreparedRequest):
             return req
-        prepared = prepare(req, self.models, self.tokenizer, self.target, default_strategy=self.default_strategy,
-                           defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
-                           vocab_size=self.vocab_size)
-        if self.planner is None and prepared.strategy.load_aware:     # never run fixed k under that name
-            raise ParamError("plan", "fixed (this engine has no load-aware planner)", "load_aware")
-        return prepared
+        return prepare(req, self.models, self.tokenizer, self.target, default_strategy=self.default_strategy,
+                       defaults=self.defaults, max_new_tokens_limit=self.max_new_tokens_limit,
+                       vocab_size=self.vocab_size)
 
     def add(self, req: GenerationRequest | PreparedRequest, sink: Callable[[StreamChunk], None] | None = None,
             on_end: Callable[[Sequence], None] | None = None) -> Sequence:
@@ -143,10 +138,9 @@ class Engine(Prefilling, CallerDriven):
         """One engine step for every running request; returns the requests that ended in it.  Schedule (who
         stops, who joins and is prefilled), run every running request's strategy step with one batched call per
         model and round, postprocess (stop rules, chunks), release what ended."""
-        now = time.perf_counter()
-        self._observe(now)
-        ended, joined = self._schedule(now)
-        self._recover()
+        ended, joined = self._schedule(time.perf_counter())
+        if self.health.down:             # probe: a model that is back is prefilled for the requests that draft
+            self.health.refresh()
         if joined:
             self._prefill(joined)
         running = self._runnable(ended)
@@ -181,18 +175,16 @@ class Engine(Prefilling, CallerDriven):
         return running
 
     def _begin(self, running: list[Sequence]) -> None:
-        """Count the step, open each request's step, and let the planner pick its draft lengths."""
+        """Count the step, open each request's step, let the policy mark which steps draft, and prefill the
+        stale models of those that do."""
         if not running:
             return
         self.steps += 1
         self.step_rows += len(running)
         for seq in running:
             seq.begin_step()
-        self._plain_by_batch(running)
-        if self.planner is not None:
-            self.planner.plan(running, stuck=self.stuck)
-            self._planned_at = time.perf_counter()      # the drafters' late prefill is part of the step's cost
-            self._prefill_drafting(running)
+        self.policy.plan(running)
+        self._prefill_drafting(running)
 
     def _postprocess(self, outs: dict[Sequence, Any]) -> list[Sequence]:
         """Each request's step result through its stop rules and out as a chunk; -> the requests that ended."""
@@ -227,16 +219,6 @@ class Engine(Prefilling, CallerDriven):
                 self._live.pop(seq.rid, None)
             if seq.on_end is not None:
                 seq.on_end(seq)
-        if not self.scheduler.running:   # the loop may wait for work now: the period ends here
-            self._observe(time.perf_counter())
-
-    def _observe(self, now: float) -> None:
-        """Tell the planner the wall time of the last planned step: from its plan to the start of the next step
-        (all the loop spends per step: emitting, flushing, served per-chunk streaming -- once per token when
-        decoding plainly, once per block when speculating), or to its end when nothing was left running."""
-        if self._planned_at is not None:
-            self.planner.observe(now - self._planned_at)
-            self._planned_at = None
 
     def model_down(self, name: str, error: BaseException) -> None:
         """Mark ``name`` down (also from a health watchdog's thread): every live request's state there is

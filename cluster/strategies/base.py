@@ -80,7 +80,7 @@ class StepContext:
     stats: RequestStats
     tokens: list[int]          # committed sequence: prompt + tokens emitted so far
     budget: int                # the step may emit at most this many tokens (>= 1)
-    planned_k: int | None = None   # draft length chosen by the engine's load-aware planner, if enabled
+    plain: bool = False            # the engine's speculation policy has this step decode plainly (plain_steps)
     eos: int | None = None         # the token that ends this request (None: it ignores EOS)
     extras: dict = field(default_factory=dict)   # per-request scratch space of a strategy
     logprobs: int | None = None    # top-n of the target's logprobs per emitted token (None: not asked)
@@ -152,8 +152,7 @@ class Strategy:
     options: ClassVar[tuple[Option, ...]] = ()
     lossless: ClassVar[bool] = True
     constrained: ClassVar[bool] = False   # True: samples the grammar-constrained target law exactly (core/constraint.py)
-    load_aware: bool = False       # True: the engine's planner chooses the draft length (ctx.planned_k)
-    plain_steps: ClassVar[bool] = False   # True: ctx.planned_k = 0 makes a step plain decoding (engine.plain_from_batch)
+    plain_steps: ClassVar[bool] = False   # True: a step with ctx.plain set is plain decoding (engine/policy.py)
 
     def __init__(self, opts: dict[str, Any], models: dict[str, BatchedHandle], target: str):
         self.opts, self.models, self.target_name = opts, models, target

@@ -53,7 +53,7 @@ from cluster.core.draft.programs import DRAFTS, DraftSpec
 from cluster.core.verifiers import VERIFIERS
 from cluster.errors import ParamError, check_float
 from cluster.strategies.base import Option, StepContext, Strategy, register
-from cluster.strategies.speculative import PLAN, VERIFY, speculative_step
+from cluster.strategies.speculative import VERIFY, speculative_step
 
 MAX_BUDGET = 64
 
@@ -131,8 +131,8 @@ class CSDrafting(Strategy):
     name = "cs_drafting"
     help = "Cascade Speculative Drafting: drafters review smaller drafters' drafts (vertical) and share " \
            "draft positions by size (horizontal); lossless at the target"
-    options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY, KMATRIX_UNIT, MAG_LENIENCE, PLAN)
-    plain_steps = True             # planned_k = 0: a plain step (step)
+    options = (DRAFTERS, KMATRIX, LENIENCE, VERIFY, KMATRIX_UNIT, MAG_LENIENCE)
+    plain_steps = True             # ctx.plain: a plain step (step)
     constrained = True
 
     def __init__(self, opts, models, target):
@@ -158,12 +158,6 @@ class CSDrafting(Strategy):
         self.verify = VERIFIERS[opts["verify"]]
         self.spec = DraftSpec("cascade", self.names, kmatrix=K, lenience=self.lenience,
                               token_budgets=opts["kmatrix_unit"] == "tokens", mag_lenience=opts["mag_lenience"] == "on")
-        # plan=load_aware: the engine's planner chooses per step between the whole cascade (its arm k = 1) and
-        # plain decoding (k = 0), grouped by this cascade (its drafters and K-matrix); it has no cost table for
-        # the group, so its prior prices only the draft side's call, and measured step times price the rest
-        self.load_aware = opts["plan"] == "load_aware"
-        self.k = 1
-        self.drafter = "cascade:" + ",".join(self.names) + ":" + ";".join(",".join(map(str, r)) for r in K)
 
     def _default_drafters(self) -> tuple[str, ...]:
         neural = sorted((n for n in self.drafter_names() if not _is_mag(self.models[n])),
@@ -176,9 +170,9 @@ class CSDrafting(Strategy):
 
     def step(self, ctx: StepContext):
         """The whole cascade below the target runs on the draft side (:class:`cluster.core.draft.programs.CSDraftProgram`),
-        in one call; the target verifies its block as any draft.  A planned k = 0 is a plain decoding step."""
-        plain = ctx.planned_k == 0
-        return speculative_step(ctx, self.spec, 0 if plain else ctx.budget - 1, self.verify)
+        in one call; the target verifies its block as any draft.  A step the engine's speculation policy makes
+        plain (``ctx.plain``) is plain decoding."""
+        return speculative_step(ctx, self.spec, 0 if ctx.plain else ctx.budget - 1, self.verify)
 
 
 def _is_mag(handle) -> bool:

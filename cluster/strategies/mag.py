@@ -9,7 +9,7 @@ from __future__ import annotations
 from cluster.core.draft.programs import DRAFTS
 from cluster.errors import ParamError
 from cluster.strategies.base import Option, register
-from cluster.strategies.speculative import PLAN, VERIFY, Speculative
+from cluster.strategies.speculative import VERIFY, Speculative
 
 # Max-Gram drafts cost nothing, so its k is what verifying k + 1 positions costs against what they accept: on the
 # embedded family at one row, 2.01 tokens per verification at k = 3 (1.09x a plain forward) against 2.07 at k = 4
@@ -33,7 +33,7 @@ class Mag(Speculative):
 
     name = "mag"
     help = "speculative decoding with the Max-Gram drafter (longest earlier match + bigram)"
-    options = (K, VERIFY, PLAN)
+    options = (K, VERIFY)
     constrained = True
 
     def choose_drafter(self, opts) -> str:

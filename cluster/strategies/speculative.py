@@ -24,24 +24,21 @@ from cluster.strategies.base import (
 DRAFTER = Option("drafter", str, None, "drafter model name (default: the config's first drafter)")
 K = Option("k", int, 4, "draft tokens per step", low=1, high=64)
 VERIFY = Option("verify", str, "token", "draft verifier", choices=lambda: tuple(VERIFIERS))
-PLAN = Option("plan", str, "fixed", "draft length per step: fixed (= k) or load_aware (the engine's planner picks "
-              "0..k from measured forward costs, batch size and acceptance)", choices=("fixed", "load_aware"))
 
 
 @register
 class Speculative(Strategy):
     name = "speculative"
     help = "draft k tokens with a neural drafter, verify them in one target pass"
-    options = (DRAFTER, K, VERIFY, PLAN)
+    options = (DRAFTER, K, VERIFY)
     constrained = True
-    plain_steps = True             # planned_k = 0: a plain step (draft_length)
+    plain_steps = True             # ctx.plain: a plain step (draft_length)
 
     def __init__(self, opts, models, target):
         super().__init__(opts, models, target)
         self.drafter = self.choose_drafter(opts)
         self.k = opts["k"]
         self.verify = VERIFIERS[opts["verify"]]
-        self.load_aware = opts["plan"] == "load_aware"    # the planner sets ctx.planned_k in 0..k
         self.spec = DraftSpec("propose", (self.drafter,))
 
     def choose_drafter(self, opts) -> str:
@@ -57,9 +54,10 @@ class Speculative(Strategy):
 
 
 def draft_length(ctx: StepContext, k: int) -> int:
-    """The step's draft length: the planner's choice when it plans (0 = no speculation), else ``k``;
-    never more than the tokens the request may still emit after the bonus token."""
-    return min(k if ctx.planned_k is None else ctx.planned_k, ctx.budget - 1)
+    """The step's draft length: 0 (plain decoding) where the engine's speculation policy says so
+    (:mod:`cluster.engine.policy`), else ``k``, never more than the tokens the request may still emit after the
+    bonus token."""
+    return 0 if ctx.plain else min(k, ctx.budget - 1)
 
 
 def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
@@ -71,7 +69,7 @@ def speculative_step(ctx: StepContext, spec: DraftSpec, k: int, verify):
     the prediction, the prediction's continuation alone (the draft side is not asked that step); the
     prediction's tokens are deterministic drafts (one-hot q), within the budget.
 
-    ``k = 0`` (the planner's plain decoding, a last step with room for one token) is an autoregressive step,
+    ``k = 0`` (the policy's plain decoding, a last step with room for one token) is an autoregressive step,
     :func:`cluster.strategies.autoregressive.plain_step`, and costs what one costs: the draft side is neither
     called nor told the token (``ctx.skip``); the next step that drafts first sends it the tokens it missed, in
     one bookkeeping call (``ctx.catch_up``), and its drafters feed them with their first forward."""

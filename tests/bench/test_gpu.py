@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from cluster.bench import SUITES, gpu, gpu_shapes, projection
+from cluster.bench.measure import forward_cost_grid
 from cluster.config.schema import load_config
+from cluster.core.interfaces import PerRequestHandle
 from cluster.errors import ParamError
 from cluster.family import ensure_built
 
@@ -68,7 +70,39 @@ def test_the_procedure_on_the_cpu(tmp_path):
     assert drafters == set(cfg.drafters) and all(r["ms"] > 0 for r in costs)
     load = json.loads((tmp_path / "bench_load.json").read_text())      # the load step, in-process on the device
     assert {r["concurrency"] for r in load} == {1, 2}
-    assert {r["strategy"] for r in load} >= {"autoregressive", "load-aware k<=8"}, load
+    assert {r["strategy"] for r in load} >= {"autoregressive", "speculative k=4"}, load
+
+
+class SingleFormHandle(PerRequestHandle):
+    """A handle written in per-request forms (batched by the one adapter): the forward-cost grid drives it."""
+
+    def __init__(self):
+        self.name, self.vocab_size, self.max_length, self.deterministic = "m", 16, 64, False
+        self.live: dict[str, int] = {}
+        self.scored = 0
+
+    def prefill(self, rid, ids, sampling, seed):
+        self.live[rid] = len(ids)
+
+    def score(self, rid, draft):
+        assert rid in self.live
+        self.scored += 1
+
+    def rollback(self, rid, length):
+        self.live[rid] = length
+
+    def extend(self, rid, ids):
+        self.live[rid] += len(ids)
+
+    def release(self, rid):
+        self.live.pop(rid, None)
+
+
+def test_the_forward_cost_grid_times_every_cell_and_releases_its_rows():
+    h = SingleFormHandle()
+    grid = forward_cost_grid(h, rows=(1, 3), new_tokens=(1, 2), context=8, iters=2)
+    assert set(grid) == {(1, 1), (1, 2), (3, 1), (3, 2)} and all(v >= 0 for v in grid.values())
+    assert h.scored == (1 + 3) * 2 * 3 and h.live == {}            # 2 iterations + 1 warm-up per cell
 
 
 TINY_SHAPES = {name: dict(shape, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,

@@ -35,7 +35,7 @@ def test_shipped_configs_load():
     (lambda d: d["engine"].update(max_batch=0), "engine.max_batch: must be in [1, 4096], got 0"),
     (lambda d: d["engine"].update(max_queue=-1), "engine.max_queue: must be in [0, 1048576], got -1"),
     (lambda d: d["engine"].update(kv_budget_tokens=0), "engine.kv_budget_tokens: must be >= 1"),
-    (lambda d: d["engine"]["options"].update(plan="sometimes"), "engine.options.plan"),
+    (lambda d: d["engine"]["options"].update(verify="sometimes"), "engine.options.verify"),
 ])
 def test_bad_config_names_the_field(mutate, needle):
     data = _tiny()

@@ -1,5 +1,5 @@
 """The cost model charged by length (``specserve tune``): a forward's cost grows with the tokens it feeds,
-measured as a ForwardCost table (the load-aware planner's), checked against Monte Carlo simulation."""
+measured as a ForwardCost table, checked against Monte Carlo simulation."""
 import random
 
 import pytest
@@ -11,7 +11,7 @@ from cluster.core.cost_model import (
     predict_cascade,
     ranked_cascades,
 )
-from cluster.core.forward_cost import ForwardCost, best_k, plan_draft_length
+from cluster.core.forward_cost import ForwardCost, best_k
 
 
 def _accept_prefix(rng, alphas):
@@ -88,13 +88,32 @@ def test_length_charging_changes_the_ranking():
                                  for c in (1, 2, 3, 4, 6, 8, 10)])
 
 
-def test_best_k_by_length_is_the_planners_choice_at_one_row():
+def test_forward_cost_interpolates_and_extrapolates():
+    c = ForwardCost({(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0})
+    assert c(1, 1) == 1.0 and c(4, 5) == 6.0                       # grid points
+    assert c(1, 3) == pytest.approx(1.5)                           # along tokens
+    assert c(4, 3) == pytest.approx(4.0)
+    assert c(2, 1) == pytest.approx(1.0 + 1.0 / 3)                 # along rows
+    assert c(2, 3) == pytest.approx(1.5 + 2.5 / 3)                 # bilinear
+    assert c(1, 9) == pytest.approx(3.0)                           # beyond: linear extrapolation
+    assert c(8, 1) == pytest.approx(2.0 + 4 * 1.0 / 3)
+    assert c(8, 9) == pytest.approx(3.0 + 7 / 3 * (10.0 - 3.0))    # both axes beyond the grid
+    assert c(-100, 1) == 0.0                                       # never negative
+    one = ForwardCost({(1, 1): 0.5, (8, 1): 1.2})                  # one token measured: flat in tokens
+    assert one(8, 1) == one(8, 5) == pytest.approx(1.2)
+    assert one(4, 3) == pytest.approx(0.5 + 0.7 * 3 / 7)
+    with pytest.raises(ValueError):
+        ForwardCost({(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.0})       # incomplete grid
+    mono = ForwardCost({(1, 1): 1.0, (1, 5): 0.9, (4, 1): 0.5, (4, 5): 6.0}).monotone()
+    assert mono.table == {(1, 1): 1.0, (1, 5): 1.0, (4, 1): 1.0, (4, 5): 6.0}
+
+
+def test_best_k_by_length_maximises_tokens_per_second_at_one_row():
     T, D = _table(1e-2, 1.5e-3), _table(1e-3, 1e-4)
     for a in (0.3, 0.6, 0.8, 0.95):
         k, ewif = best_k("d", "t", {("t", "d"): a}, {}, 12, forward={"t": T, "d": D})
-        planned = plan_draft_length([a], D, T, 12, False)
-        assert k == planned or planned == 0
-        assert ewif == pytest.approx(expected_tokens(a, k) * T(1, 1) / (k * D(1, 1) + T(1, k + 1)))
+        rate = {j: expected_tokens(a, j) * T(1, 1) / (j * D(1, 1) + T(1, j + 1)) for j in range(1, 13)}
+        assert ewif == pytest.approx(rate[k]) and rate[k] == max(rate.values())
     flat = best_k("d", "t", {("t", "d"): 0.8}, {"t": 1.0, "d": 0.1}, 12)[0]
     assert best_k("d", "t", {("t", "d"): 0.8}, {}, 12, forward={"t": T, "d": D})[0] < flat
 

@@ -1,14 +1,14 @@
-"""The first token comes from the target's prefill alone (cluster.engine.prefill): a lossless request's first
-step is target-only -- no drafter is prefilled or asked before it -- and its drafters are prefilled at the next
-step, from which it drafts.  A lossy strategy (a speculative cascade) and a request with a predicted output
-draft from their first step.  Exactness of the switch is enumerated in test_planned_exact.py (a speculative
-request joining a running batch) and by every engine-level enumeration test."""
+"""The first token comes from the target's prefill alone (the speculation policy, cluster/engine/policy.py): a
+lossless request's first step is target-only -- no drafter is prefilled or asked before it -- and its drafters
+are prefilled at the first step it drafts.  A lossy strategy (a speculative cascade) and a request with a
+predicted output draft from their first step.  Exactness of the switch is enumerated in test_plain_by_batch.py
+(requests joining a running batch and together) and by every engine-level enumeration test."""
 from __future__ import annotations
 
 import numpy as np
 from cluster.core.draft.programs import DRAFTS
 from cluster.core.sampling import Rng, SamplingParams
-from cluster.engine.planner import is_planned
+from cluster.engine.policy import SpeculationPolicy
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from tests.support.exact import TabularModel, VocabTokenizer, local_engine
@@ -32,10 +32,10 @@ class Counting(TabularModel):
         return super().propose(rid, k)
 
 
-def _engine():
+def _engine(policy=SpeculationPolicy()):
     models = {"target": TabularModel("target", V, seed=1), "d": Counting("d", V, seed=2, rng=Rng(5)),
               "mag": MagHandle(V, np.array([1, 2, 3, 0]))}
-    return local_engine(models, VocabTokenizer(V)), models
+    return local_engine(models, VocabTokenizer(V), policy=policy), models
 
 
 def _req(strategy, n=6, **kw):
@@ -72,43 +72,24 @@ def test_a_cascade_and_a_predicted_request_draft_from_their_first_step():
     assert sorted(engine.models[DRAFTS].active_requests()) == [predicted.rid]
 
 
-class Plays:
-    """A planner that plays ``ks`` (one per plan) to the load-aware requests that run their own step."""
-
-    def __init__(self, ks):
-        self.ks, self.i = list(ks), 0
-
-    def plan(self, running, stuck=None):
-        planned = [s for s in running if is_planned(s) and not (stuck and stuck(s))]
-        for s in planned:
-            s.ctx.planned_k = self.ks[min(self.i, len(self.ks) - 1)]
-        self.i += bool(planned)
-
-    def observe(self, seconds):
-        pass
-
-    def prefilled(self, seqs, seconds=0.0):
-        pass
-
-
-def test_a_planned_request_prefills_its_drafter_only_when_the_plan_drafts():
-    """plan=load_aware: while the planner says k = 0 the request decodes plainly with no drafter state at all
-    (no prefill, nothing on the draft side); the first step planned k > 0 prefills the drafter with every
-    committed token and drafts at once; greedy tokens equal plain decoding's."""
-    engine, models = _engine()
-    engine.planner = Plays([0, 0, 2])
-    seq = engine.add(GenerationRequest(prompt_ids=[0, 1, 2], max_new_tokens=8, sampling=SamplingParams(0.0),
-                                       seed=3, strategy="speculative",
-                                       options={"drafter": "d", "k": 3, "plan": "load_aware"}))
-    for _ in range(3):                                  # the first step (target-only), then two planned k = 0
+def test_a_request_the_batch_keeps_plain_prefills_its_drafter_only_when_it_first_drafts():
+    """While the speculation policy keeps a request plain (here: two running rows with ``plain_from_batch=2``)
+    it decodes with no drafter state at all (no prefill, nothing on the draft side); at the first step it drafts
+    (the other row has left) its drafter is prefilled with every committed token and drafts at once; greedy
+    tokens equal plain decoding's."""
+    engine, models = _engine(SpeculationPolicy(plain_from_batch=2))
+    greedy = dict(prompt_ids=[0, 1, 2], sampling=SamplingParams(0.0), seed=3)
+    seq = engine.add(GenerationRequest(max_new_tokens=8, strategy="speculative",
+                                       options={"drafter": "d", "k": 3}, **greedy))
+    other = engine.add(GenerationRequest(max_new_tokens=3, strategy="autoregressive", **greedy))
+    for _ in range(3):                                  # the first step (target-only), then two plain in a batch of 2
         engine.step()
     assert len(seq.generated) == 3 and models["d"].calls == [] and seq.stale == {DRAFTS}
-    assert not engine.models[DRAFTS].active_requests()
-    engine.step()                                       # k = 2: prefilled with prompt + 3 tokens, then drafts
-    assert models["d"].calls[0] == ("prefill", 3 + 3) and not seq.stale and seq.stats.drafted_tokens == 2
+    assert not engine.models[DRAFTS].active_requests() and other.finish == "length"
+    engine.step()                                       # alone: prefilled with prompt + 3 tokens, then drafts
+    assert models["d"].calls[0] == ("prefill", 3 + 3) and not seq.stale and seq.stats.drafted_tokens == 3
     while engine.has_work:
         engine.step()
     plain, _ = _engine()
-    want = plain.generate(GenerationRequest(prompt_ids=[0, 1, 2], max_new_tokens=8, sampling=SamplingParams(0.0),
-                                            seed=3, strategy="autoregressive")).token_ids
+    want = plain.generate(GenerationRequest(max_new_tokens=8, strategy="autoregressive", **greedy)).token_ids
     assert seq.generated == list(want)

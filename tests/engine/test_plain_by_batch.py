@@ -1,44 +1,33 @@
-"""``engine.plain_from_batch``: from that many running rows up, fixed-length drafting (speculative, cs_drafting)
-decodes plainly, and drafts again below it.  Exact: request A runs alone (drafting), B joins (two rows: plain),
-B leaves (A drafts again, its drafters caught up on the plain steps' tokens) -- the joint law of (A, B) is the
-product of the target's laws (exact enumeration, V = 3, to 1e-9).  Greedy: outputs equal plain decoding's, and at
-or above the threshold the drafters are never called."""
+"""``engine.plain_from_batch``, the speculation policy's knob (cluster/engine/policy.py): from that many running
+rows up, fixed-length drafting (speculative, cs_drafting) decodes plainly, and drafts again below it.  Exact:
+request A runs alone (drafting) and B joins (two rows: plain), or both join together (A's drafters hold no state
+until it first drafts); B leaves and A drafts again, its drafters caught up on (or prefilled with) the plain
+steps' tokens -- the joint law of (A, B) is the product of the target's laws (exact enumeration, V = 3, to
+1e-9).  Greedy: outputs equal plain decoding's, and at or above the threshold the drafters are never called."""
 from __future__ import annotations
 
 import pytest
 
 from cluster.config.schema import EngineSpec
 from cluster.core.sampling import SamplingParams
+from cluster.engine.policy import SpeculationPolicy
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ConfigError
 from tests.support.exact import (TabularModel, VocabTokenizer, enumerate_outcomes, join_and_leave, joint_of_two,
                                  local_engine, max_abs_diff)
 
 
-class NoPlans:
-    """A planner with nothing to plan (no load-aware request): the engine then defers drafter prefills."""
-
-    def plan(self, running, stuck=None):
-        pass
-
-    def observe(self, seconds):
-        pass
-
-    def prefilled(self, seqs, seconds=0.0):
-        raise AssertionError("only load-aware requests' prefills are the planner's")
-
-
 OPTIONS = {"speculative": {"drafter": "large", "k": 2},
            "cs_drafting": {"drafters": "large,small", "kmatrix": "1,1;0,2"}}
 
 
-@pytest.mark.parametrize("strategy", ["speculative", "cs_drafting"])
-def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy):
+@pytest.mark.parametrize("strategy,steps_before", [("speculative", 2), ("cs_drafting", 2), ("speculative", 0)])
+def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy, steps_before):
     target = TabularModel("target", 3, seed=21)
     drafters = TabularModel("large", 3, seed=22, zeros=True), TabularModel("small", 3, seed=23)
     holder = {}
     engine = local_engine({"target": target, "large": drafters[0], "small": drafters[1]}, VocabTokenizer(3),
-                          rng_factory=lambda s: holder["rng"], planner=NoPlans(), plain_from_batch=2)
+                          rng_factory=lambda s: holder["rng"], policy=SpeculationPolicy(plain_from_batch=2))
 
     def run(rng):
         holder["rng"] = rng
@@ -46,7 +35,8 @@ def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy):
             d.rng = rng
         return join_and_leave(engine, dict(prompt_ids=[0], max_new_tokens=5, strategy=strategy,
                                            options=OPTIONS[strategy]),
-                              dict(prompt_ids=[1], max_new_tokens=2, strategy=strategy, options=OPTIONS[strategy]), 2)
+                              dict(prompt_ids=[1], max_new_tokens=2, strategy=strategy, options=OPTIONS[strategy]),
+                              steps_before)
 
     assert max_abs_diff(enumerate_outcomes(run), joint_of_two(target, ([0], 5), ([1], 2))) < 1e-9
 
@@ -54,8 +44,8 @@ def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy):
 @pytest.mark.parametrize("threshold,drafts", [(1, False), (3, True), (None, True)])
 def test_greedy_outputs_equal_plain_decoding_and_the_drafters_rest_at_the_threshold(threshold, drafts):
     target, d = TabularModel("target", 5, seed=9), TabularModel("d", 5, seed=40)
-    engine = local_engine({"target": target, "d": d}, VocabTokenizer(5), planner=NoPlans(),
-                          plain_from_batch=threshold)
+    engine = local_engine({"target": target, "d": d}, VocabTokenizer(5),
+                          policy=SpeculationPolicy(plain_from_batch=threshold))
     plain = local_engine({"target": TabularModel("target", 5, seed=9)}, VocabTokenizer(5))
     reqs = [dict(prompt_ids=p, max_new_tokens=n, sampling=SamplingParams(0.0), seed=0, request_id=f"r{i}")
             for i, (p, n) in enumerate((([1, 2], 30), ([3], 12), ([4, 0, 1], 20)))]

@@ -6,7 +6,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.core.sampling import SamplingParams
-from cluster.engine.measure import forward_cost_grid
 from cluster.models.batched import BatchedHFWorker
 from cluster.models import slot_cache
 from cluster.models.head import AcceptanceHead
@@ -152,13 +151,6 @@ def test_interleaved_speculative_rounds_match_running_alone():
         assert bd._get(rid).tokens == hd._get(rid).tokens
         grown += len(ht._get(rid).tokens) - len(p) - 6
     assert grown > 0                                     # some drafts were accepted
-
-
-def test_forward_cost_grid_smoke():
-    bw, _ = make("mha")
-    grid = forward_cost_grid(bw, rows=(1, 3), new_tokens=(1, 2), context=16, iters=2)
-    assert set(grid) == {(1, 1), (1, 2), (3, 1), (3, 2)} and all(v > 0 for v in grid.values())
-    assert bw.active_requests() == [] and kv_tokens(bw) == 0
 
 
 @pytest.mark.parametrize("kind", ["mha", "gqa", "eager"])

@@ -24,7 +24,6 @@ import torch
 from cluster.config.schema import Config
 from cluster.core.draft.programs import DRAFTS
 from cluster.engine.engine import Engine
-from cluster.engine.measure import build_planner
 from cluster.engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -45,18 +44,13 @@ WARMUP_PROMPT = "def main():\n    "
 class Coordinator:
     """One serving unit's engine, its step loop, and request bookkeeping (see the module docstring)."""
 
-    def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None, planner=None):
-        """``planner``: the engine's load-aware planner; None builds it as the in-process root does
-        (:func:`cluster.engine.measure.build_planner`: measured now through the unit's handles, round trips
-        included, when the config's default options ask for ``plan: load_aware``, else on first use)."""
+    def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None):
         torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.placement()[0]
         if topology is None:
             log.info("topology %s (%s)", self.topology, cfg.cluster.placement()[1])
         self.entries, models, self.tokenizer, self._channels = build_unit(cfg, self.topology)
-        if planner is None:    # the in-process root's planner, its costs measured through these handles
-            planner = build_planner(models.handles, cfg.target, cfg.drafters, cfg.engine)
-        self.engine = Engine.configured(models, self.tokenizer, cfg.engine, planner=planner)
+        self.engine = Engine.configured(models, self.tokenizer, cfg.engine)
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
         self.metrics = metrics
