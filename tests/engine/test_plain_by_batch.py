@@ -21,7 +21,7 @@ OPTIONS = {"speculative": {"drafter": "large", "k": 2},
            "cs_drafting": {"drafters": "large,small", "kmatrix": "1,1;0,2"}}
 
 
-@pytest.mark.parametrize("strategy,steps_before", [("speculative", 2), ("cs_drafting", 2), ("speculative", 0)])
+@pytest.mark.parametrize("strategy,steps_before", [("speculative", 2), ("cs_drafting", 1), ("speculative", 0)])
 def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy, steps_before):
     target = TabularModel("target", 3, seed=21)
     drafters = TabularModel("large", 3, seed=22, zeros=True), TabularModel("small", 3, seed=23)
