@@ -89,6 +89,9 @@ class EngineSpec:
     # how a step's rows are sampled and verified: batched = the whole round in one call on the target's device
     # (cluster/core/rejection.py); reference = row by row on the host in float64 (the test oracle)
     sampler: str = "batched"
+    # automatic prefix caching (cluster/models/prefix_cache.py): a prompt's leading blocks already computed on a
+    # model (an earlier turn, a shared system prompt) are not computed again, on the target and every drafter
+    prefix_caching: str = "on"
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
@@ -119,6 +122,8 @@ class EngineSpec:
         if self.plain_from_batch is not None and not 1 <= self.plain_from_batch <= 4096:
             raise ConfigError(f"{path}.plain_from_batch: must be in [1, 4096] (or null: never), "
                               f"got {self.plain_from_batch}")
+        if self.prefix_caching not in ("on", "off"):
+            raise ConfigError(f"{path}.prefix_caching: must be one of on, off, got {self.prefix_caching!r}")
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"{path}.sampler: must be one of batched, reference, got {self.sampler!r}")
         check_config_choice(f"{path}.overlap", self.overlap, OVERLAP)

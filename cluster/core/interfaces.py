@@ -12,7 +12,9 @@ Item and result shapes (V: vocabulary; every logits tensor is raw, unscaled -- t
 :func:`cluster.core.sampling.logits_to_probs` with the parameters the handle sampled with, so proposal
 distributions are reproduced exactly):
 
-  prefill_batch           (rid, ids [P >= 1], SamplingParams, seed)        -> None (all but ids[-1] cached)
+  prefill_batch           (rid, ids [P >= 1], SamplingParams, seed[, salt]) -> None, or the prompt tokens each
+                                                                              found in a prefix cache (all but
+                                                                              ids[-1] end up cached)
   score_batch             (rid, draft [L])                                 -> logits [L+1, V]
   propose_batch           (rid, k)                                         -> (tokens [k], logits [k, V])
   propose_adaptive_batch  (rid, k_max, head, threshold, eos)               -> (tokens [K <= k_max], logits [K, V])
@@ -69,8 +71,9 @@ class BatchedHandle(ABC):
 
     # -- required ---------------------------------------------------------------------------------
     @abstractmethod
-    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        """Start each request with its context; caches all but the last token (restarting a known id)."""
+    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> list[int] | None:
+        """Start each request with its context; caches all but the last token (restarting a known id) -> the
+        tokens of each found in a prefix cache, or None (a handle without one)."""
 
     @abstractmethod
     def score_batch(self, items: list[tuple[str, list[int]]]) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 class RequestStats:
     strategy: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0                               # of them, found in the target's prefix cache
     generated_tokens: int = 0
     steps: int = 0                                       # verification steps (target calls that verify)
     target_forwards: int = 0
@@ -56,7 +57,7 @@ class RequestStats:
 
     def merge(self, other: "RequestStats") -> None:
         """Add ``other``'s counts into this one (for aggregate benchmark rows)."""
-        for name in ("prompt_tokens", "generated_tokens", "steps", "target_forwards", "drafted_tokens",
+        for name in ("prompt_tokens", "cached_tokens", "generated_tokens", "steps", "target_forwards", "drafted_tokens",
                      "accepted_tokens", "wall_s", "ttft_s", "deferral_checks", "deferrals", "prediction_drafted",
                      "prediction_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

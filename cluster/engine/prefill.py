@@ -43,8 +43,12 @@ class Prefilling:
                 continue
             scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
             try:
-                self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed)
-                                                 for s in items if s not in scored])
+                plain = [s for s in items if s not in scored]
+                hits = self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling,
+                                                                    s.req.seed) for s in plain])
+                if name == self.target and names is None and hits:     # the prefix cache's hits (usage)
+                    for s, hit in zip(plain, hits):
+                        s.ctx.stats.cached_tokens = int(hit)
                 if scored:          # the prompt's logprobs from the forward that fills the target's cache
                     rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
                                                                s.req.seed) for s in scored])

@@ -35,6 +35,7 @@ from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import verify_round
 from cluster.models.head import resolve_head
 from cluster.models.memory import memory_report
+from cluster.models.prefix_cache import PrefixIndex
 from cluster.models.slot_cache import SlotCache
 from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit, read_config
 
@@ -46,6 +47,8 @@ class _Request:
     cached: int
     sampling: SamplingParams
     rng: Rng
+    salt: str | None = None      # the request's cache_salt (its prefix-cache blocks are keyed by it)
+    shared: int = 0              # tokens of its prompt the prefix cache finds in its slot
 
 
 class BatchedHFWorker(BatchedHandle):
@@ -65,8 +68,10 @@ class BatchedHFWorker(BatchedHandle):
         self.device = next(model.parameters()).device
         self._cache = SlotCache(self.layout.layer_types, self.max_length)
         self._requests: dict[str, _Request] = {}
-        self._free: set[int] = set()                  # released slots below _next_slot
+        self._free: set[int] = set()                  # released slots below _next_slot (no prefix caching)
         self._next_slot = 0
+        self.prefix_caching = True                    # engine.prefix_caching (cluster/models/prefix_cache.py)
+        self.prefix = PrefixIndex()
         self._lock = threading.Lock()
 
     @classmethod
@@ -88,25 +93,35 @@ class BatchedHFWorker(BatchedHandle):
     def prefill(self, rid: str, ids: list[int], sampling: SamplingParams, seed: int) -> None:
         self.prefill_batch([(rid, ids, sampling, seed)])
 
-    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        """Start each request; one forward over all prompts but their last token (which stays pending)."""
-        if any(not ids for _, ids, _, _ in items):
+    def prefill_batch(self, items: list[tuple]) -> list[int]:
+        """Start each request (rid, ids, sampling, seed[, cache salt]); one forward over all prompts but their
+        last token (which stays pending), from where each prompt's cached prefix ends -> the cached tokens of
+        each (:mod:`cluster.models.prefix_cache`)."""
+        if any(not it[1] for it in items):
             raise ValueError("prefill needs at least one token")
-        reqs = []
+        reqs, copies, hits = [], [], []
         with self._lock:
-            for rid, ids, sampling, seed in items:
+            for rid, ids, sampling, seed, *salt in items:
                 self._drop(rid)
-                if self._free:
-                    slot = min(self._free)
-                    self._free.discard(slot)
-                else:
-                    slot, self._next_slot = self._next_slot, self._next_slot + 1
-                req = _Request(list(ids), slot, 0, sampling, Rng(derive_seed(seed, self.name)))
+                salt = salt[0] if salt else None
+                donor, hit = self.prefix.lookup(ids, salt, len(ids) - 1) if self.prefix_caching else (None, 0)
+                slot = self._slot(donor)
+                if hit and slot != donor:                       # a running request's prompt blocks: copy them
+                    copies.append((donor, slot, hit))
+                req = _Request(list(ids), slot, hit, sampling, Rng(derive_seed(seed, self.name)), salt)
                 self._requests[rid] = req
                 reqs.append(req)
-        todo = [r for r in reqs if len(r.tokens) > 1]
+                hits.append(hit)
+            for donor, slot, hit in copies:
+                self._cache.copy_prefix(donor, slot, hit)
+        todo = [r for r in reqs if r.cached < len(r.tokens) - 1]
         if todo:
             self._forward(todo, ends=[len(r.tokens) - 1 for r in todo])
+        if self.prefix_caching:
+            for r in reqs:
+                r.shared = len(r.tokens) - 1
+                self.prefix.register(r.slot, r.tokens, r.salt, r.shared)
+        return hits
 
     def release(self, rid: str) -> None:
         with self._lock:
@@ -155,6 +170,9 @@ class BatchedHFWorker(BatchedHandle):
         req = self._get(rid)
         del req.tokens[length:]
         req.cached = min(req.cached, length)
+        if length < req.shared:                  # below its registered prompt blocks: they are written again
+            self.prefix.forget(req.slot)
+            req.shared = 0
 
     def extend(self, rid: str, ids: list[int]) -> None:
         self._get(rid).tokens.extend(ids)
@@ -166,10 +184,31 @@ class BatchedHFWorker(BatchedHandle):
         except KeyError:
             raise UnknownRequestError(self.name, rid) from None
 
+    def _slot(self, donor: int | None) -> int:        # caller holds the lock
+        """A slot for a new request: ``donor`` itself when it is a released slot holding the prompt's prefix;
+        else the released slot the prefix cache would evict first (least recently released), or the lowest free
+        one without caching; else a new one."""
+        if self.prefix_caching:
+            slot = self.prefix.take(donor)
+            if slot is not None:
+                self.prefix.forget(slot)            # written again from the hit on: re-registered after prefill
+                self._free.discard(slot)
+                return slot
+        elif self._free:
+            slot = min(self._free)
+            self._free.discard(slot)
+            self.prefix.free.pop(slot, None)
+            return slot
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        return slot
+
     def _drop(self, rid: str) -> None:               # caller holds the lock
         req = self._requests.pop(rid, None)
         if req is not None:
             self._free.add(req.slot)
+            if self.prefix_caching:                # what it computed stays findable until the slot is reused
+                self.prefix.register(req.slot, req.tokens, req.salt, req.cached)
+            self.prefix.release(req.slot)
 
     def _draft(self, items) -> list[tuple[list[int], torch.Tensor]]:
         """Rows (rid, k, head or None, DraftStop or None): one forward per step over the rows still drafting,

@@ -75,6 +75,12 @@ def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | 
             raise ConfigError(f"mag: no bigram table at {path}: run `specserve mag build-bigram`")
         return MagHandle(vocab_size, load_bigram(path), name=name, max_ngram=cfg.mag.max_ngram,
                          occurrence=cfg.mag.occurrence)
+    worker = _worker(cfg, name, tp_size)
+    worker.prefix_caching = cfg.engine.prefix_caching == "on"
+    return worker
+
+
+def _worker(cfg: Config, name: str, tp_size: int) -> BatchedHFWorker:
     spec = cfg.models[name]
     if tp_size > 1:
         from transformers.distributed import DistributedConfig  # only where TP is used

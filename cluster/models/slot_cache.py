@@ -64,13 +64,15 @@ class SlotLayer(CacheLayerMixin):
                                   device=self.device)
         self.is_initialized = True
 
-    def _grow(self) -> None:
+    def _grow(self, need_slots: int | None = None, length: int | None = None) -> None:
         s, _, c, _ = self.keys.shape
         p = self.plan
-        if p.need_slots <= s and p.length <= c:
+        need_slots = p.need_slots if need_slots is None else need_slots
+        length = p.length if length is None else length
+        if need_slots <= s and length <= c:
             return
-        new_s = s if p.need_slots <= s else max(p.need_slots, 2 * s)
-        new_c = c if p.length <= c else max(_round_up(p.length), min(_round_up(2 * c), _round_up(self.max_len)))
+        new_s = s if need_slots <= s else max(need_slots, 2 * s)
+        new_c = c if length <= c else max(_round_up(length), min(_round_up(2 * c), _round_up(self.max_len)))
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(new_s, old.shape[1], new_c, old.shape[3])      # [S', Hkv, C', D]
@@ -97,6 +99,14 @@ class SlotLayer(CacheLayerMixin):
         return (self.keys[:, :, :p.length].index_select(0, idx),
                 self.values[:, :, :p.length].index_select(0, idx))
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot ``dst``'s first ``n`` positions become slot ``src``'s (a prefix-cache hit on a running request)."""
+        if not self.is_initialized:
+            return
+        self._grow(max(src, dst) + 1, n)
+        self.keys[dst, :, :n] = self.keys[src, :, :n]
+        self.values[dst, :, :n] = self.values[src, :, :n]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.plan.length, 0
 
@@ -118,6 +128,11 @@ class SlotCache(Cache):
         """``layer_types [L]``: each decoder layer's attention kind (``sliding_attention`` marks it sliding)."""
         self._plan = _Plan()
         super().__init__(layers=[SlotLayer(self._plan, max_len, kind == "sliding_attention") for kind in layer_types])
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Every layer's slot ``dst`` takes slot ``src``'s first ``n`` positions (on the device)."""
+        for layer in self.layers:
+            layer.copy_prefix(src, dst, n)
 
     def plan(self, slots: list[int], offsets: list[int], n: int) -> None:
         """Rows ``slots [B]`` with ``offsets [B]`` cached positions each receive ``n`` new (padded) tokens."""

@@ -179,3 +179,17 @@ def test_serve_ingress_keeps_the_grpc_methods():
     for method in ("Generate", "GenerateStream", "ServerInfo", "Check", "Watch", "check_health"):
         assert getattr(wrapped, method) is getattr(SpecServeDeployment, method)
     assert wrapped.__serve_build_asgi_app__ is SpecServeDeployment.__serve_build_asgi_app__
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(app):
+    """The same long prompt twice: the second finds all but its last block's tail in the cache, unary and in the
+    streamed usage chunk (OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
+    a, _ = app
+    body = {**BASE, "prompt": "def main():\n    " + "x = 1\n    " * 12 + "return x"}
+    first = _post(a, body).json()["usage"]
+    second = _post(a, body).json()["usage"]
+    events = _post(a, {**body, "stream": True, "stream_options": {"include_usage": True}}).events()
+    streamed = json.loads(events[-2])["usage"]
+    assert first["prompt_tokens"] >= 32 and first["prompt_tokens_details"]["cached_tokens"] < first["prompt_tokens"]
+    assert 16 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert streamed["prompt_tokens_details"] == second["prompt_tokens_details"]

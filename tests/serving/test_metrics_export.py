@@ -97,6 +97,8 @@ def test_scrape_has_every_metric_with_labels_and_the_dashboard_matches(served):
     # gRPC: speculative (per-position acceptance), two cascades (deferrals), one refused
     c.generate(prompt="def main():", max_new_tokens=12, temperature=0.0, seed=1, strategy="speculative",
                options={"k": 3})
+    for _ in range(2):                         # a long prompt twice: the second finds it in the prefix cache
+        c.generate(prompt="def main():\n    " + "x = 1\n    " * 12, max_new_tokens=2, temperature=0.0)
     for strategy in ("spec_cascade", "token_cascade"):
         c.generate(prompt="import os", max_new_tokens=8, temperature=1.0, seed=2, strategy=strategy)
     with pytest.raises(grpc.RpcError) as e:

@@ -105,8 +105,8 @@ class RemoteHandle(BatchedHandle):
             self._call(None, [])
 
     # -- batched calls: one round trip each ---------------------------------------------------------
-    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        self._call("prefill_batch", [(rid, list(ids), s, seed) for rid, ids, s, seed in items])
+    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> list[int] | None:
+        return self._call("prefill_batch", [(rid, list(ids), s, seed) for rid, ids, s, seed in items])
 
     def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
         return self._call("propose_batch", items)

@@ -69,11 +69,14 @@ class ResponseFormat:
         self.stats = None                     # the finished request's statistics (a stream's last chunk)
 
     def usage(self, completion_tokens: int, stats=None) -> dict:
-        """OpenAI's usage; with the finished request's ``stats``, a predicted request's
-        ``completion_tokens_details`` (accepted / rejected prediction tokens)."""
+        """OpenAI's usage; with the finished request's ``stats``, ``prompt_tokens_details.cached_tokens`` (the
+        prompt tokens the prefix cache held) and a predicted request's ``completion_tokens_details`` (accepted /
+        rejected prediction tokens)."""
         prompt = len(self.req.prompt_ids)
         out = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                "total_tokens": prompt + completion_tokens}
+        if stats is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": int(stats.cached_tokens)}
         if stats is not None and self.req.prediction_ids is not None:
             out["completion_tokens_details"] = prediction_usage(stats)
         return out

@@ -54,6 +54,7 @@ EXPORTED = {
     "ray_vllm_spec_decode_num_accepted_tokens_total": "counter",
     "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total": "counter",
     "ray_vllm_prompt_tokens_total": "counter", "ray_vllm_generation_tokens_total": "counter",
+    "ray_vllm_prefix_cache_queries_total": "counter", "ray_vllm_prefix_cache_hits_total": "counter",
     "ray_vllm_request_success_total": "counter",
     "ray_vllm_num_requests_running": "gauge", "ray_vllm_num_requests_waiting": "gauge",
     "ray_vllm_kv_cache_usage_perc": "gauge",
@@ -154,6 +155,9 @@ class Metrics:
                                     "accepted draft tokens by draft position (0-based)", "position")
         self.prompt_tokens = counter("vllm_prompt_tokens", "prompt tokens of completed requests")
         self.generated = counter("vllm_generation_tokens", "generated tokens of completed requests")
+        self.cache_queries = counter("vllm_prefix_cache_queries", "prompt tokens looked up in the target's "
+                                     "prefix cache")
+        self.cache_hits = counter("vllm_prefix_cache_hits", "prompt tokens found in the target's prefix cache")
         self.success = counter("vllm_request_success", "finished requests by vLLM finish reason", "finished_reason")
         self.requests = counter("specserve_requests", "requests by outcome, refused ones included", "outcome")
         self.deferrals = counter("specserve_cascade_deferrals", "cascade positions deferred to the target "
@@ -251,7 +255,8 @@ class Metrics:
         self.success.inc(1, {**tags, "finished_reason": finished_reason(result.finish_reason)})
         for counter, n in ((self.drafts, st.steps), (self.draft_tokens, st.drafted_tokens),
                            (self.accepted, st.accepted_tokens), (self.prompt_tokens, st.prompt_tokens),
-                           (self.generated, st.generated_tokens), (self.deferrals, st.deferrals),
+                           (self.generated, st.generated_tokens), (self.cache_queries, st.prompt_tokens),
+                           (self.cache_hits, st.cached_tokens), (self.deferrals, st.deferrals),
                            (self.deferral_checks, st.deferral_checks)):
             if n:
                 counter.inc(n, tags)

@@ -1,0 +1,96 @@
+"""Automatic prefix caching for one worker's slot cache: which slot already holds a prompt's leading KV.
+
+A worker keeps every request's keys and values in a slot of its :class:`cluster.models.slot_cache.SlotCache`, and a
+released slot's states stay valid until the slot is written again.  This index remembers, for token blocks of
+``BLOCK`` tokens, which slot holds them, keyed by chained hashes (block i's key covers blocks 0..i and the request's
+``cache_salt``, as vLLM's automatic prefix caching keys its blocks), so a new request whose prompt starts with a
+known chain is prefilled from there on:
+
+* from a **released** slot the request takes the slot itself (no copy);
+* from a **running** request's slot (its prompt blocks) the prefix is copied into the new slot on the device.
+
+Eviction is least-recently-released: a worker reuses the free slot released longest ago, and its blocks leave
+the index then.  Released slots are part of the cache's buffer already, so the cache never takes KV memory beyond
+the running requests' own (the engine's KV budget counts those).  A chain is a pure function of the token ids and
+the salt (no process-seeded hash), so every tensor-parallel rank, given the same calls, decides the same.
+
+A hit changes no logits' law: the cached keys and values are the states of the same tokens at the same positions
+(Hugging Face causal attention makes a position's states a function of the tokens up to it).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+BLOCK = 16          # tokens per cached block (vLLM's default block size)
+
+
+def _salt_key(salt: str | None) -> int:
+    if not salt:
+        return 0
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+def chain(ids: list[int], salt: str | None = None, n: int | None = None) -> list[int]:
+    """The chained keys of the full blocks among ``ids[:n]``: key i covers blocks 0..i and the salt."""
+    n = len(ids) if n is None else min(n, len(ids))
+    key, out = _salt_key(salt), []
+    for i in range(n // BLOCK):
+        key = hash((key, tuple(ids[i * BLOCK:(i + 1) * BLOCK])))      # int tuples: the same in every process
+        out.append(key)
+    return out
+
+
+class PrefixIndex:
+    """Block key -> the slot holding that block (and every block before it), plus the free slots' LRU order."""
+
+    def __init__(self):
+        self._slot_of: dict[int, int] = {}             # block key -> slot
+        self._keys_of: dict[int, list[int]] = {}       # slot -> the keys it registered
+        self.free: OrderedDict[int, None] = OrderedDict()   # released slots, the longest released first
+        self.queries = self.hits = 0                   # prompt tokens looked up / found (vLLM's metric names)
+
+    def lookup(self, ids: list[int], salt: str | None, limit: int) -> tuple[int | None, int]:
+        """(slot, tokens) of the longest cached chain among ``ids[:limit]`` (None, 0 without one)."""
+        slot, found = None, 0
+        for i, key in enumerate(chain(ids, salt, limit)):
+            s = self._slot_of.get(key)
+            if s is None:
+                break
+            slot, found = s, (i + 1) * BLOCK
+        self.queries += max(limit, 0)
+        self.hits += found
+        return slot, found
+
+    def register(self, slot: int, ids: list[int], salt: str | None, n: int) -> None:
+        """``slot`` holds valid states for ``ids[:n]``: its full blocks become findable there."""
+        keys = chain(ids, salt, n)
+        self._keys_of[slot] = keys
+        for key in keys:
+            self._slot_of[key] = slot
+
+    def forget(self, slot: int) -> None:
+        """``slot`` is about to be written from position 0 again (or below what it registered)."""
+        for key in self._keys_of.pop(slot, ()):
+            if self._slot_of.get(key) == slot:
+                del self._slot_of[key]
+
+    def release(self, slot: int) -> None:
+        self.free[slot] = None
+        self.free.move_to_end(slot)
+
+    def take(self, slot: int | None = None) -> int | None:
+        """A free slot for a new request: ``slot`` itself when free (a hit on a released slot), else the one
+        released longest ago, its blocks forgotten; None when no slot is free."""
+        if slot is not None and slot in self.free:
+            del self.free[slot]
+            return slot
+        if not self.free:
+            return None
+        old, _ = self.free.popitem(last=False)
+        self.forget(old)
+        return old
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._slot_of)
