@@ -129,6 +129,7 @@ class SlotCache(Cache):
         self._plan = _Plan()
         super().__init__(layers=[SlotLayer(self._plan, max_len, kind == "sliding_attention") for kind in layer_types])
 
+    @torch.inference_mode()           # the buffers are inference tensors (written inside the forwards)
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Every layer's slot ``dst`` takes slot ``src``'s first ``n`` positions (on the device)."""
         for layer in self.layers:

@@ -91,8 +91,9 @@ def test_a_later_turn_reuses_the_released_slot_and_computes_the_same_logits():
 def test_a_running_requests_prompt_is_copied_and_salts_keep_tenants_apart():
     cached, plain = pair()
     system = ids(3 * BLOCK, 9)
-    for w in (cached, plain):
-        w.prefill_batch([("a", system + ids(5, 10), GREEDY, 0)])
+    for w in (cached, plain):           # a released slot of other tokens: b reuses it, no buffer grows
+        w.prefill_batch([("a", system + ids(5, 10), GREEDY, 0), ("pad", ids(5, 16), GREEDY, 0)])
+        w.release("pad")
     b = system + ids(7, 11)
     assert cached.prefill_batch([("b", b, GREEDY, 0), ("c", b, GREEDY, 0, "tenant")]) == [3 * BLOCK, 0]
     assert cached._get("b").slot != cached._get("a").slot
