@@ -3,7 +3,7 @@
 Three roles, as in nano-vllm: admission (:mod:`cluster.engine.validate`: a request becomes one
 :class:`PreparedRequest`), the :class:`Scheduler` (who runs; no torch), and the model handles (who own
 the device).  :meth:`Engine.step` glues them: requests join between steps (their prompts prefilled in
-one batched call per model, the target's first: :mod:`cluster.engine.prefill`), every running request's
+one batched call per model, the target's first: :meth:`Engine._prefill`), every running request's
 strategy step advances together -- their model calls grouped per model into one batched call per round
 (:mod:`cluster.engine.rounds`) -- and each request's tokens go through its stop rules and out as a
 :class:`StreamChunk`.  A batch of one is just a case of it; in-process (CLI, tests, benchmarks) and the
@@ -14,19 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from cluster.core.calls import PrefillItem, prefill_scored
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.model_set import ModelSet
 from cluster.core.prediction import Prediction
 from cluster.core.sampling import Rng
 from cluster.core.stats import RequestStats
-from cluster.engine.drive import CallerDriven
 from cluster.engine.health import ModelHealth
 from cluster.engine.kv_budget import derive_kv_budget
 from cluster.engine.policy import SpeculationPolicy
-from cluster.engine.prefill import Prefilling
-from cluster.engine.request import GenerationRequest, PreparedRequest, StreamChunk
+from cluster.engine.request import GenerationRequest, GenerationResult, PreparedRequest, StreamChunk
 from cluster.engine.rounds import run_rounds
 from cluster.engine.scheduler import Limits, Scheduler
 from cluster.engine.sequence import FINISHED, Sequence
@@ -39,7 +38,7 @@ log = logging.getLogger("specserve.engine")
 SAMPLERS = ("batched", "reference")
 
 
-class Engine(Prefilling, CallerDriven):
+class Engine:
     """Runs any registered strategy, for many requests at once, over a set of model handles.
 
     ``models`` is the finished :class:`ModelSet` a composition root built (target, drafters, draft side; the
@@ -245,3 +244,100 @@ class Engine(Prefilling, CallerDriven):
         with self._lock:
             self.scheduler.remove(seq)
         self._ended.append(seq)          # live, and on_end, until the step's flush has released its state
+
+    # -- prefill, and the target-only steps of a request whose drafters hold no state -----------------------
+    # A request's models that hold no state for it are *stale* (``Sequence.stale``): on joining, a request whose
+    # first step the policy makes plain (SpeculationPolicy.starts_plain) is prefilled on the target only; a model
+    # that went down and came back (cluster.engine.health) lost its requests' state.  A request with a stale model
+    # steps target-only (a plain autoregressive step: exactly the target's law).  At the first step the policy has
+    # it draft, its stale models that answer are prefilled with the committed tokens (one batched call per model)
+    # and the strategy's own steps take over; while the policy keeps it plain they stay stale, so plain decoding
+    # pays no drafter.
+    def _prefill_drafting(self, running: list[Sequence]) -> None:
+        """Prefill the stale models that answer of the requests that draft this step (``ctx.plain`` False), with
+        their committed tokens, one batched call per model; one that fails stays stale and steps target-only."""
+        drafting = [s for s in running if s.stale - self.health.down and not s.ctx.plain]
+        for name in dict.fromkeys(m for s in drafting for m in s.stale - self.health.down):
+            self._prefill([s for s in drafting if name in s.stale], {name})
+
+    def _prefill(self, joined: list[Sequence], names: set[str] | None = None) -> None:
+        """Start ``joined`` on their models (or on ``names`` only: stale models), one batched call each.  On
+        joining (``names`` None) a request whose first step is plain starts on the target only."""
+        for name in dict.fromkeys(r for s in joined for r in s.req.strategy.roles()):
+            if names is not None and name not in names:
+                continue
+            items = [s for s in joined if name in s.req.strategy.roles() and s.status != FINISHED]
+            later = items if name in self.health.down else [
+                s for s in items if names is None and name != self.target and self.policy.starts_plain(s)]
+            for s in later:
+                s.stale.add(name)
+            items = [s for s in items if s not in later]
+            if not items:
+                continue
+            scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
+            try:
+                plain = [s for s in items if s not in scored]
+                hits = self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling,
+                                                                    s.req.seed) for s in plain])
+                if name == self.target and names is None and hits:     # the prefix cache's hits (usage)
+                    for s, hit in zip(plain, hits):
+                        s.ctx.stats.cached_tokens = int(hit)
+                if scored:          # the prompt's logprobs from the forward that fills the target's cache
+                    rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
+                                                               s.req.seed) for s in scored])
+                    for s, logits in zip(scored, rows):
+                        s.set_prompt_logprobs(logits)
+                for s in items:
+                    s.stale.discard(name)
+                    s.ctx.behind.pop(name, None)         # prefilled with every committed token
+            except ModelUnavailableError as e:
+                self.model_down(name, e)
+                if name == self.target:                  # nothing can go on without it
+                    for s in items:
+                        self._fail(s, e)
+            except Exception as e:                       # noqa: BLE001 - fails these requests only
+                for s in items:
+                    self._fail(s, e)
+
+    def _step_of(self, seq: Sequence):
+        """The request's strategy step, or a target-only step while one of its models is down or stale."""
+        roles = set(seq.req.strategy.roles()) - {self.target}
+        if roles & (self.health.down | seq.stale):
+            return self._fallback.step(seq.ctx)
+        return seq.req.strategy.step(seq.ctx)
+
+    # -- driven from the caller's thread (the CLI, tests, benchmarks): each call steps the engine itself until
+    # its requests end; on the cluster a step-loop thread drives it instead (serving.control.coordinator)
+    def generate(self, req: GenerationRequest | PreparedRequest) -> GenerationResult:
+        for chunk in self.stream(req):
+            pass
+        return chunk.result
+
+    def stream(self, req: GenerationRequest | PreparedRequest) -> Iterator[StreamChunk]:
+        """Yield one :class:`StreamChunk` per step; the last one carries the :class:`GenerationResult`.
+        Closing the iterator cancels the request and releases its state on every model."""
+        seq = self.add(req)
+        try:
+            while True:
+                if seq.status != FINISHED:
+                    self.step()
+                while seq.chunks:
+                    yield seq.chunks.pop(0)
+                if seq.status == FINISHED:
+                    break
+            if seq.error is not None:
+                raise seq.error
+        finally:
+            if seq.status != FINISHED:
+                self.abort(seq.rid)
+                self.step()
+
+    def generate_many(self, reqs: list[GenerationRequest | PreparedRequest]) -> list[GenerationResult]:
+        """Run ``reqs`` together (continuous batching within this call); results in order."""
+        seqs = [self.add(r) for r in reqs]
+        while any(s.status != FINISHED for s in seqs):
+            self.step()
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        return [s.result for s in seqs]

@@ -15,7 +15,7 @@ length: its ``k``, capped by what the request may still emit).  A step is plain
   a verification costs about what its tokens cost as plain steps, so drafting only adds work.  Below it they
   draft again.  This is the one knob that stops speculating; None never does.
 
-The engine enacts the marks (:mod:`cluster.engine.prefill`): a request's drafters that hold no state yet are
+The engine enacts the marks (:meth:`cluster.engine.engine.Engine._prefill`): a request's drafters that hold no state yet are
 prefilled at the first step it drafts, and a plain step leaves them untouched (they catch up on the tokens they
 missed when drafting resumes), so a request kept plain costs what plain decoding costs.  Whatever the marks,
 the output law is the target's: a plain step samples it exactly and a drafting step is a lossless strategy's.

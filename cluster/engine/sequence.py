@@ -36,7 +36,7 @@ class Sequence:
     chunks: list[StreamChunk] = field(default_factory=list)    # when there is no sink
     t0: float = field(default_factory=time.perf_counter)
     deadline: float | None = None          # perf_counter time by which it must end (None: no deadline)
-    stale: set[str] = field(default_factory=set)   # models holding no state for it yet or any more (engine/prefill.py)
+    stale: set[str] = field(default_factory=set)   # models holding no state for it yet or any more (Engine._prefill)
     logprobs: list[TokenLogprob] | None = None      # aligned with ``generated`` when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None   # aligned with the prompt; [0] is None
 
