@@ -22,6 +22,7 @@ _WHERE = {                                   # suite -> (module under cluster.be
     "grammar": ("grammar", "run"),
     "gpu": ("gpu", "run"),
     "shapes": ("shapes", "run"),
+    "chat": ("chat", "run"),
 }
 
 

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runtime", help="load and gpu suites: comma-separated of in-process, cluster (default both)")
     b.add_argument("--vocabs", help="shapes suite: comma-separated vocabulary sizes (default 4096,32000,128256)")
     b.add_argument("--rows", help="shapes suite: comma-separated batch sizes (default 1,8,32)")
+    b.add_argument("--conversations", type=int, help="chat suite: conversations that run together (default 8)")
+    b.add_argument("--turns", type=int, help="chat suite: turns per conversation (default 4)")
     b.add_argument("--device", help="gpu suite: cpu, cuda or cuda:N (default: the first CUDA device; none: exit 2)")
     b.add_argument("--strategies", help="served suite: comma-separated of autoregressive, default, speculative, "
                    "mag, cs_drafting (default all the config serves)")

@@ -1,0 +1,29 @@
+"""`bench --suite chat` on the tiny models: later turns find their history in the prefix cache, caching off finds
+nothing, outputs are equal with and without it, and the table, files and plot are written."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.bench.chat import run
+from cluster.config.schema import load_config
+from cluster.errors import ParamError
+
+
+def test_chat_suite_compares_caching_on_and_off(tmp_path, capsys):
+    args = SimpleNamespace(conversations=2, turns=2, max_new_tokens=6, out=str(tmp_path))
+    assert run(args, load_config("configs/tiny.yaml")) == 0
+    rows = json.loads((tmp_path / "bench_chat.json").read_text())
+    by = {(r["workload"], r["caching"], r["turn"]): r for r in rows}
+    assert len(rows) == 2 * (1 + 2 + 4)
+    assert by[("chat", "on", 2)]["hit_rate"] > 0.5 and by[("agent", "on", 2)]["hit_rate"] > 0.5
+    assert all(r["hit_rate"] == 0 for r in rows if r["caching"] == "off")
+    assert by[("chat", "on", 1)]["hit_rate"] == 0                    # nothing shared within the first batch yet
+    assert by[("chat", "on", 2)]["tok_s_vs_off"] is not None and by[("chat", "on", 2)]["ttft_vs_one_line"] > 0
+    assert (tmp_path / "bench_chat.png").stat().st_size > 0
+    assert "outputs equal with and without caching: 8/8" in capsys.readouterr().out
+
+
+def test_chat_suite_refuses_bad_sizes(tmp_path):
+    with pytest.raises(ParamError, match="turns"):
+        run(SimpleNamespace(conversations=2, turns=99, out=str(tmp_path)), load_config("configs/tiny.yaml"))
