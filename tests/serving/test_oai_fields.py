@@ -127,3 +127,18 @@ def test_chat_template_kwargs_over_http(app):
     # every other unknown field is still refused by name
     r = _post(a, "/v1/chat/completions", {**CHAT, "enable_thinking": False})
     assert r.status == 400 and r.json()["error"]["param"] == "enable_thinking"
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_cache_salt_is_accepted_and_bad_ones_are_400_naming_it(app, path, base):
+    """vLLM's ``cache_salt`` on both endpoints: a salt changes what is shared across requests, never the output;
+    a salt that is not text of 1 to 256 characters is a 400 naming it, its range and the value."""
+    a, _ = app
+    plain = _post(a, path, base).json()
+    for salt in ("tenant-a", "t" * 256, None):
+        r = _post(a, path, {**base, "cache_salt": salt})
+        assert r.status == 200 and r.json()["specserve"]["token_ids"] == plain["specserve"]["token_ids"], salt
+    for bad in ("", "t" * 257, 5, ["a"], {"a": 1}):
+        r = _post(a, path, {**base, "cache_salt": bad})
+        err = r.json()["error"]
+        assert r.status == 400 and err["param"] == "cache_salt" and "256 characters" in err["message"], (bad, err)
