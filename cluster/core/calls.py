@@ -17,12 +17,20 @@ from cluster.core.verify_round import VerifyItem
 
 
 class PrefillItem(NamedTuple):
-    """One request's item of ``prefill_batch``."""
+    """One request's item of ``prefill_batch``.  Handles accept the first four fields alone too (a 4-tuple:
+    no salt); :meth:`of` reads either form."""
 
     rid: str
     ids: list[int]               # [P >= 1] the context; all but ids[-1] are cached, ids[-1] stays pending
     sampling: SamplingParams
     seed: int
+    salt: str = ""               # the request's cache_salt ("": none): what a handle keeps across requests
+                                 # (prefix cache blocks, the suffix drafter's index) is shared within one salt
+
+    @classmethod
+    def of(cls, item: tuple) -> "PrefillItem":
+        """``item`` (a PrefillItem, or a 4- or 5-tuple) as a PrefillItem."""
+        return item if isinstance(item, cls) else cls(*item)
 
 
 class ScoreItem(NamedTuple):
@@ -158,14 +166,15 @@ def run_group(handle: BatchedHandle, kind: type, items: list[tuple[str, ModelCal
 
 
 def prefill_scored(handle: BatchedHandle, items: list[tuple]) -> list[Any]:
-    """Start ``items`` = [(request id, token ids [P >= 2], sampling, seed)] on ``handle`` as ``prefill_batch``
-    does, and return each prompt's raw logits ``[P-1, V]`` (row i: the distribution of ``ids[i+1]``) from the
-    same forward that fills the cache: the first token is prefilled alone, the rest but the last scored as a
-    draft (one batched forward for all items), and the last token appended as prefill leaves it, pending."""
-    handle.prefill_batch([PrefillItem(rid, ids[:1], sampling, seed) for rid, ids, sampling, seed in items])
-    logits = run_group(handle, Score, [(rid, Score(handle.name, tuple(ids[1:-1]))) for rid, ids, _, _ in items])
-    for rid, ids, _, _ in items:
-        handle.extend(rid, [ids[-1]])
+    """Start ``items`` (:class:`PrefillItem`: token ids [P >= 2]) on ``handle`` as ``prefill_batch`` does, and
+    return each prompt's raw logits ``[P-1, V]`` (row i: the distribution of ``ids[i+1]``) from the same forward
+    that fills the cache: the first token is prefilled alone, the rest but the last scored as a draft (one
+    batched forward for all items), and the last token appended as prefill leaves it, pending."""
+    items = [PrefillItem.of(it) for it in items]
+    handle.prefill_batch([it._replace(ids=it.ids[:1]) for it in items])
+    logits = run_group(handle, Score, [(it.rid, Score(handle.name, tuple(it.ids[1:-1]))) for it in items])
+    for it in items:
+        handle.extend(it.rid, [it.ids[-1]])
     return logits
 
 

@@ -149,7 +149,9 @@ class PerRequestHandle(BatchedHandle):
         raise UnsupportedCallError(self.name, "propose_adaptive")
 
     def prefill_batch(self, items) -> None:
-        for rid, ids, sampling, seed in items:
+        """Each item's ``prefill`` (a salt, the fifth field, is for handles that keep state across requests:
+        they override this)."""
+        for rid, ids, sampling, seed, *_ in items:
             self.prefill(rid, ids, sampling, seed)
 
     def score_batch(self, items) -> list[torch.Tensor]:

@@ -277,14 +277,12 @@ class Engine:
             scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
             try:
                 plain = [s for s in items if s not in scored]
-                hits = self.models[name].prefill_batch([PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling,
-                                                                    s.req.seed) for s in plain])
+                hits = self.models[name].prefill_batch([_prefill_item(s) for s in plain])
                 if name == self.target and names is None and hits:     # the prefix cache's hits (usage)
                     for s, hit in zip(plain, hits):
                         s.ctx.stats.cached_tokens = int(hit)
                 if scored:          # the prompt's logprobs from the forward that fills the target's cache
-                    rows = prefill_scored(self.models[name], [(s.rid, list(s.ctx.tokens), s.req.sampling,
-                                                               s.req.seed) for s in scored])
+                    rows = prefill_scored(self.models[name], [_prefill_item(s) for s in scored])
                     for s, logits in zip(scored, rows):
                         s.set_prompt_logprobs(logits)
                 for s in items:
@@ -341,3 +339,8 @@ class Engine:
             if s.error is not None:
                 raise s.error
         return [s.result for s in seqs]
+
+
+def _prefill_item(s: Sequence) -> PrefillItem:
+    """``s`` as a prefill item: its committed tokens, and its cache salt for what handles keep across requests."""
+    return PrefillItem(s.rid, list(s.ctx.tokens), s.req.sampling, s.req.seed, s.req.cache_salt or "")

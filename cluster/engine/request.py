@@ -28,6 +28,7 @@ MAX_REQUEST_ID = 128               # printable characters
 MAX_OPTIONS, MAX_OPTION_NAME, MAX_OPTION_VALUE = 16, 64, 256     # entries; characters of a name / a value
 MAX_OPTION_CELLS = 256             # numbers in a structured (list) option value, at most 2 levels deep
 MAX_JSON_DEPTH = 32                # HTTP body nesting
+MAX_CACHE_SALT = 256               # characters of a cache_salt
 
 # The smallest positive temperature: logits / T must stay finite (a subnormal T overflows to inf -> NaN).
 MIN_TEMPERATURE = 1e-4
@@ -51,6 +52,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None   # None: none; n: each prompt token's logprob + top-n (the first has none)
     prediction: str | list[int] | None = None   # predicted output, text or ids (OpenAI's prediction.content)
     grammar: Any = None                  # a cluster.core.constraint.Grammar: the output is constrained to it
+    # vLLM's cache_salt: what the server keeps of this request (prefix cache blocks, the suffix drafter's index) is
+    # shared only with requests of the same salt (None: no salt, shared with every request without one)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -105,6 +109,7 @@ class PreparedRequest:
     logprobs: int | None = None        # top-n per emitted token (None: no logprobs)
     prompt_logprobs: int | None = None  # top-n per prompt token (None: no prompt logprobs)
     prediction_ids: tuple[int, ...] | None = None   # the tokenized predicted output (None: none)
+    cache_salt: str | None = None      # GenerationRequest.cache_salt, checked
 
     @property
     def strategy_name(self) -> str:

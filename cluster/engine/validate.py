@@ -14,6 +14,7 @@ from typing import Any
 from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.core.sampling import MAX_TEMPERATURE, SamplingParams
 from cluster.engine.request import (
+    MAX_CACHE_SALT,
     MAX_CHARS_PER_TOKEN,
     MAX_OPTION_CELLS,
     MAX_OPTION_NAME,
@@ -49,6 +50,7 @@ def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer:
     name = check_strategy(req.strategy or default_strategy)
     check_options(name, req.options)
     check_stop(req.stop)
+    salt = check_cache_salt(req.cache_salt)
     target_len = models[target].max_length
     if req.prompt_ids is not None and len(req.prompt_ids) > 0:
         if len(req.prompt_ids) > min(MAX_PROMPT_IDS, target_len - max_new):     # before reading the ids
@@ -78,7 +80,7 @@ def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer:
                              ", ".join(sorted(n for n, c in REGISTRY.items() if c.constrained)), f"strategy {name}")
         sampling = dataclasses.replace(sampling, constraint=req.grammar.start(len(ids)))
     return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, sampling, seed,
-                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction)
+                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction, salt)
 
 
 def _too_long(n: int, max_len: int, max_new: int) -> ParamError:
@@ -108,6 +110,11 @@ def check_strategy(name: Any) -> str:
     if not isinstance(name, str) or name not in REGISTRY:
         raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), name)
     return name
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    """None (no salt) or text of 1 to MAX_CACHE_SALT characters (vLLM refuses an empty salt too)."""
+    return None if salt is None else check_text("cache_salt", salt, MAX_CACHE_SALT)
 
 
 def check_stop(stop: Any) -> None:

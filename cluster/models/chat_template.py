@@ -16,12 +16,13 @@ The request's ``tools`` go to the template as ``tools`` (``apply_chat_template(m
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2 import meta
+from jinja2 import meta, nodes
 
 from cluster.errors import ParamError, check_text
 from cluster.models.tokenizer import ByteTokenizer
@@ -119,30 +120,85 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt",
                             "pad_token", "unk_token", "raise_exception", "strftime_now", "tojson")
 
 
-def template_variables(template: str) -> set[str] | None:
-    """The variables a chat template reads (Jinja's ``meta.find_undeclared_variables`` of its syntax tree, with
-    the extensions transformers compiles templates with); None when it does not parse here (then the
-    template itself decides when it is rendered)."""
+@functools.lru_cache(maxsize=16)
+def template_uses(template: str) -> dict[str, frozenset[str]] | None:
+    """The variables a chat template reads (those Jinja's ``meta.find_undeclared_variables`` finds in its syntax
+    tree, parsed with the extensions transformers compiles templates with), each with how it is used: ``bool``
+    (a truth value: ``if x``, ``not x``, ``x is false``, ``x == true``), ``str`` (compared with text:
+    ``x == "high"``), ``neutral`` (``x is defined``, ``x is none``) or ``other`` (printed, filtered, iterated, ...).
+    None when it does not parse here (then the template itself decides when it is rendered)."""
     try:
         ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
     except jinja2.TemplateSyntaxError:
         return None
-    return meta.find_undeclared_variables(ast)
+    uses: dict[str, set[str]] = {}
+    _walk(ast, "other", uses)
+    return {name: frozenset(uses.get(name, {"other"})) for name in meta.find_undeclared_variables(ast)}
+
+
+_NEUTRAL_TESTS, _BOOL_TESTS = ("defined", "undefined", "none"), ("true", "false", "boolean")
+
+
+def _walk(node, ctx: str, uses: dict[str, set[str]]) -> None:
+    """Record in ``uses`` how each name under ``node`` is used, ``ctx`` being how ``node`` itself is."""
+    if isinstance(node, nodes.Name):
+        if node.ctx == "load":
+            uses.setdefault(node.name, set()).add(ctx)
+        return
+    if isinstance(node, nodes.If):                   # the test is a truth value, the body is not
+        children = [(node.test, "bool")] + [(c, "other") for c in node.iter_child_nodes() if c is not node.test]
+    elif isinstance(node, nodes.CondExpr):           # the branches are used as the whole expression is
+        children = [(node.test, "bool"), (node.expr1, ctx)] + ([(node.expr2, ctx)] if node.expr2 else [])
+    elif isinstance(node, nodes.Not):
+        children = [(node.node, "bool")]
+    elif isinstance(node, (nodes.And, nodes.Or)):   # truth values in a test, else values
+        children = [(node.left, ctx if ctx == "bool" else "other"), (node.right, ctx if ctx == "bool" else "other")]
+    elif isinstance(node, nodes.Test):
+        kind = "neutral" if node.name in _NEUTRAL_TESTS else "bool" if node.name in _BOOL_TESTS else "other"
+        children = [(node.node, kind)] + [(c, "other") for c in node.iter_child_nodes() if c is not node.node]
+    elif isinstance(node, nodes.Compare):            # compared with constants of one kind: that kind
+        sides = [node.expr] + [op.expr for op in node.ops]
+        consts = [c.value for c in sides if isinstance(c, nodes.Const)]
+        kind = "other" if not consts else "bool" if all(isinstance(v, bool) for v in consts) else \
+            "str" if all(isinstance(v, str) for v in consts) else "other"
+        children = [(c, kind if isinstance(c, nodes.Name) else "other") for c in sides]
+    else:
+        children = [(c, "other") for c in node.iter_child_nodes()]
+    for child, how in children:
+        _walk(child, how, uses)
+
+
+def expected_type(used: frozenset[str]) -> type | None:
+    """What a variable used as ``used`` (:func:`template_uses`) must be: a boolean where the template only tests
+    its truth, text where it only compares it with text (and tests it), else anything (None)."""
+    if "other" in used:
+        return None
+    return str if "str" in used else bool if "bool" in used else None
 
 
 def check_template_kwargs(template: str, kwargs: dict | None) -> dict:
-    """``kwargs`` (``chat_template_kwargs``): names the template reads, none the server sets itself.  Jinja
-    renders a variable the template never mentions as if it were not there, so a misspelt or unsupported switch
-    (``enable_thinkng``, or ``enable_thinking`` for a model that does not think) would be ignored silently: it
-    is refused, naming it, as every field this server does not act on is."""
+    """``kwargs`` (``chat_template_kwargs``) as the template is rendered with them: a name the template never
+    reads is dropped, as vLLM does (agent frameworks send switches such as ``enable_thinking`` to every server;
+    Jinja would ignore it anyway); a name the server sets itself is refused, and so is a value of the type the
+    template cannot read (a string for a switch it only tests, :func:`expected_type`): Jinja would read any text
+    as true, silently."""
     names = set(kwargs or {})
-    read = template_variables(template)
-    readable = None if read is None else read - set(RESERVED_TEMPLATE_KWARGS)
-    bad = sorted(names & set(RESERVED_TEMPLATE_KWARGS)) + sorted(names - readable if readable is not None else ())
-    if bad:
-        raise ParamError("chat_template_kwargs", "names this model's chat template reads, other than what the "
-                         "server sets: " + (", ".join(sorted(readable or ())) or "none"), bad[0])
-    return dict(kwargs or {})
+    uses = template_uses(template)
+    reserved = sorted(names & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ParamError("chat_template_kwargs", "template variables other than what the server sets: not "
+                         + ", ".join(RESERVED_TEMPLATE_KWARGS), reserved[0])
+    if uses is None:
+        return dict(kwargs or {})
+    out = {}
+    for name in sorted(names & set(uses)):
+        value, want = kwargs[name], expected_type(uses[name])
+        if want is not None and value is not None and type(value) is not want:
+            raise ParamError("chat_template_kwargs", f"{name}: {'true or false' if want is bool else 'a string'} "
+                             f"(this model's chat template reads it as {'a switch' if want is bool else 'text'})",
+                             value)
+        out[name] = value
+    return out
 
 
 def render_chat(tokenizer, messages: Any, *, template_kwargs: dict | None = None,

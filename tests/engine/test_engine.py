@@ -153,6 +153,10 @@ def test_stream_concatenates_to_result_and_releases(tiny_engine):
     ("seed", dict(prompt="x", seed=-1), "integer in [0,"),
     ("stop", dict(prompt="x", stop=("",)), "strings of 1 to 64"),
     ("prompt", dict(prompt="y" * 1000, max_new_tokens=100), "at most 924 tokens"),
+    ("cache_salt", dict(prompt="x", cache_salt=""), "text of 1 to 256 characters"),
+    ("cache_salt", dict(prompt="x", cache_salt="s" * 257), "text of 1 to 256 characters"),
+    ("cache_salt", dict(prompt="x", cache_salt=7), "text of 1 to 256 characters"),
+    ("cache_salt", dict(prompt="x", cache_salt="\ud800"), "lone surrogate"),
 ])
 def test_request_validation_names_parameter_range_and_value(tiny_engine, field, kwargs, needle):
     with pytest.raises(ParamError) as e:
@@ -167,3 +171,35 @@ def test_request_validation_names_parameter_range_and_value(tiny_engine, field, 
 def test_sampling_params_validation(kwargs, needle):
     with pytest.raises(ParamError, match=f"invalid {needle}"):
         SamplingParams(**kwargs)
+
+
+class _Recording(TabularModel):
+    """A tabular model that records the prefill items it is given (as PrefillItems: 4-tuples read unsalted)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.items = []
+
+    def prefill_batch(self, items):
+        from cluster.core.calls import PrefillItem
+        self.items += [PrefillItem.of(it) for it in items]
+        super().prefill_batch(items)
+
+
+def test_cache_salt_reaches_every_models_prefill():
+    """A request's cache_salt travels with its prefill to the target (plain and prompt-scoring prefill) and, through
+    the draft side, to the drafter it drafts with; a request without one prefills unsalted ("")."""
+    target, drafter = _Recording("target", 4, seed=1), _Recording("d", 4, seed=2)
+    engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(4))
+    base = dict(prompt_ids=[0, 1, 2], max_new_tokens=6, sampling=SamplingParams(0.0), seed=0, strategy="speculative",
+                options={"drafter": "d", "k": 2})
+    assert engine.prepare(GenerationRequest(cache_salt="tenant-a", **base)).cache_salt == "tenant-a"
+    salted = engine.generate(GenerationRequest(cache_salt="tenant-a", **base))
+    assert {it.salt for it in target.items} == {"tenant-a"} == {it.salt for it in drafter.items}
+    target.items.clear(), drafter.items.clear()
+    engine.generate(GenerationRequest(cache_salt="tenant-b", prompt_logprobs=0, **base))   # prefill_scored
+    assert {it.salt for it in target.items} == {"tenant-b"} == {it.salt for it in drafter.items}
+    target.items.clear(), drafter.items.clear()
+    plain = engine.generate(GenerationRequest(**base))
+    assert {it.salt for it in target.items + drafter.items} == {""} and drafter.items
+    assert plain.token_ids == salted.token_ids                   # a salt changes what is shared, never the output

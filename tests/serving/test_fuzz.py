@@ -410,7 +410,7 @@ def test_fuzz_named_cases(served):
         (dict(prompt="hi", max_new_tokens=2, prediction=""), ["prediction", "1 to"]),
         (dict(prompt="hi", max_new_tokens=2, prediction="x" * 40_000), ["prediction", "40000 characters"]),
         (dict(messages=[{"role": "user", "content": "hi"}], max_new_tokens=2,
-              chat_template_kwargs={"enable_thinking": False}), ["chat_template_kwargs", "enable_thinking"]),
+              chat_template_kwargs={"add_generation_prompt": False}), ["chat_template_kwargs", "add_generation_prompt"]),
         (dict(prompt="hi", max_new_tokens=2, chat_template_kwargs={"k": 1}), ["chat_template_kwargs", "messages"]),
     ]
     for kw, words in grpc_cases:

@@ -60,9 +60,28 @@ def test_grpc_chat_refusals_are_invalid_argument_naming_the_field(tiny_engine):
     d = _deployment(tiny_engine)
     for m, name in ((SpecServeClient.request(messages=[{"role": "robot", "content": "x"}]), "messages"),
                     (SpecServeClient.request(messages=MESSAGES, prompt="also a prompt"), "messages"),
-                    (SpecServeClient.request("x", logprobs=21), "logprobs")):
+                    (SpecServeClient.request("x", logprobs=21), "logprobs"),
+                    (SpecServeClient.request("x", cache_salt=""), "cache_salt"),
+                    (SpecServeClient.request("x", cache_salt="t" * 257), "cache_salt")):
         ctx = Context()
         asyncio.run(d.Generate(m, ctx))
         assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(f"invalid {name}: "), \
             ctx.details
-    assert [o for _, o in d.coord.metrics.records] == ["invalid"] * 3
+    assert [o for _, o in d.coord.metrics.records] == ["invalid"] * 5
+
+
+def test_grpc_cache_salt_is_carried_and_leaves_the_output_unchanged(tiny_engine):
+    """``GenerateRequest.cache_salt`` (optional: unset is no salt) reaches the prepared request; the output is the
+    unsalted one's."""
+    from cluster.serving.fronts.grpc_api import fields_from_proto
+    assert fields_from_proto(SpecServeClient.request("x", cache_salt="tenant-a")).cache_salt == "tenant-a"
+    assert fields_from_proto(SpecServeClient.request("x")).cache_salt is None
+    d = _deployment(tiny_engine)
+    out = {}
+    for salt in (None, "tenant-a"):
+        ctx = Context()
+        r = asyncio.run(d.Generate(SpecServeClient.request("def f(x):", max_new_tokens=6, temperature=0.0, seed=1,
+                                                           ignore_eos=True, cache_salt=salt), ctx))
+        assert ctx.code is None
+        out[salt] = list(r.token_ids)
+    assert out["tenant-a"] == out[None] and len(out[None]) == 6

@@ -97,17 +97,40 @@ THINKING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor
             "<think></think>{% endif %}{% endif %}")
 
 
-def test_template_kwargs_reach_the_template_and_unread_ones_are_refused(tmp_path):
+def test_template_kwargs_reach_the_template_and_unread_ones_have_no_effect(tmp_path):
     write_word_tokenizer(tmp_path, 16)
     (tmp_path / "chat_template.jinja").write_text(THINKING)
     tok = HFTokenizer(tmp_path)
-    assert render_chat(tok, MESSAGES) == "<user>def main():<assistant>"
-    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": False}) == "<user>def main():<assistant><think></think>"
-    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": True}) == "<user>def main():<assistant>"
-    for bad in ({"enable_thinkng": False}, {"add_generation_prompt": False}, {"raise_exception": 1}):
+    plain = "<user>def main():<assistant>"
+    assert render_chat(tok, MESSAGES) == plain
+    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": False}) == plain + "<think></think>"
+    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinking": True}) == plain
+    # a switch this template does not read (misspelt, or another model's) is accepted and changes nothing, as on vLLM
+    assert render_chat(tok, MESSAGES, template_kwargs={"enable_thinkng": False, "reasoning_effort": 3}) == plain
+    for bad, words in (({"add_generation_prompt": False}, ["add_generation_prompt", "the server sets"]),
+                       ({"raise_exception": 1}, ["raise_exception"]),
+                       ({"enable_thinking": "false"}, ["enable_thinking: true or false", "'false'"]),
+                       ({"enable_thinking": 0}, ["enable_thinking: true or false"])):
         with pytest.raises(ParamError) as e:
             render_chat(tok, MESSAGES, template_kwargs=bad)
-        assert e.value.name == "chat_template_kwargs" and "enable_thinking" in str(e.value), bad
+        assert e.value.name == "chat_template_kwargs" and all(w in str(e.value) for w in words), (bad, str(e.value))
+
+
+def test_template_variables_are_typed_by_how_the_template_uses_them(tmp_path):
+    from cluster.models.chat_template import expected_type, template_uses
+    template = ("{% if a %}{% endif %}{% if b is defined and b is false %}{% endif %}{% if c == 'high' or not c %}"
+                "{% endif %}{{ d }}{% if d %}{% endif %}{{ e if f else '' }}{% if g == 1 %}{% endif %}"
+                "{% for m in messages %}{{ m }}{% endfor %}")
+    uses = template_uses(template)
+    assert {n: expected_type(u) for n, u in uses.items()} == {
+        "a": bool, "b": bool, "c": str, "d": None, "e": None, "f": bool, "g": None, "messages": None}
+    assert template_uses("{% if %}") is None                       # not parsed here: the template decides
+    write_word_tokenizer(tmp_path, 16)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{% if effort == 'high' %}!{% endif %}")
+    tok = HFTokenizer(tmp_path)
+    assert render_chat(tok, MESSAGES, template_kwargs={"effort": "high"}) == "def main():!"
+    with pytest.raises(ParamError, match="effort: a string"):
+        render_chat(tok, MESSAGES, template_kwargs={"effort": 2})
 
 
 def test_chat_template_kwargs_over_http(app):
@@ -115,7 +138,10 @@ def test_chat_template_kwargs_over_http(app):
     plain = _post(a, "/v1/chat/completions", CHAT).json()
     same = _post(a, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {}}).json()
     assert same["specserve"]["token_ids"] == plain["specserve"]["token_ids"]
-    for bad in ({"enable_thinking": False}, [1], {"x" * 65: 1}, {f"k{i}": 1 for i in range(17)},
+    # the tiny models' template reads no switch: an agent framework's enable_thinking is accepted, and changes nothing
+    unread = _post(a, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert unread.status == 200 and unread.json()["specserve"]["token_ids"] == plain["specserve"]["token_ids"]
+    for bad in ({"add_generation_prompt": False}, [1], {"x" * 65: 1}, {f"k{i}": 1 for i in range(17)},
                 {"messages": []}, {"k": "x" * 5000}, {"k": float("nan")}):
         r = call(a, "POST", "/v1/chat/completions", body=json.dumps({**CHAT, "chat_template_kwargs": bad}).encode())
         err = r.json()["error"]
@@ -127,3 +153,18 @@ def test_chat_template_kwargs_over_http(app):
     # every other unknown field is still refused by name
     r = _post(a, "/v1/chat/completions", {**CHAT, "enable_thinking": False})
     assert r.status == 400 and r.json()["error"]["param"] == "enable_thinking"
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_cache_salt_is_accepted_and_bad_ones_are_400_naming_it(app, path, base):
+    """vLLM's ``cache_salt`` on both endpoints: a salt changes what is shared across requests, never the output;
+    a salt that is not text of 1 to 256 characters is a 400 naming it, its range and the value."""
+    a, _ = app
+    plain = _post(a, path, base).json()
+    for salt in ("tenant-a", "t" * 256, None):
+        r = _post(a, path, {**base, "cache_salt": salt})
+        assert r.status == 200 and r.json()["specserve"]["token_ids"] == plain["specserve"]["token_ids"], salt
+    for bad in ("", "t" * 257, 5, ["a"], {"a": 1}):
+        r = _post(a, path, {**base, "cache_salt": bad})
+        err = r.json()["error"]
+        assert r.status == 400 and err["param"] == "cache_salt" and "256 characters" in err["message"], (bad, err)

@@ -260,3 +260,33 @@ def test_openai_request_defaults_from_config():
     assert req.max_new_tokens == cfg.generation.max_new_tokens
     assert req.sampling == dataclasses.replace(cfg.generation.sampling(), top_k=5)
     assert req.options == {"k": 3}
+
+
+def test_remote_prefill_items_carry_the_cache_salt():
+    """A remote handle sends prefill items as PrefillItems: a salt reaches the hosted handle, a 4-tuple arrives
+    unsalted, and the hosted handle's answer comes back."""
+    from actors.protocol import StepTime, apply
+    from cluster.core.calls import PrefillItem
+    from cluster.serving.control.remote import RemoteHandle
+    from tests.support.exact import TabularModel
+
+    class Hosted(TabularModel):
+        def prefill_batch(self, items):
+            self.got = list(items)
+            super().prefill_batch(items)
+            return [len(it.ids) for it in items]
+
+    hosted = Hosted("m", 4, seed=0)
+
+    class Host:
+        def step(self, call):
+            return apply(hosted, call), StepTime(0.0)
+
+        def info(self):
+            return hosted.capabilities()
+
+    remote = RemoteHandle(InProcessChannel(Host()), hosted.capabilities())
+    sp = SamplingParams(0.0)
+    assert remote.prefill_batch([PrefillItem("a", (0, 1), sp, 0, "tenant-a"), ("b", [2], sp, 0)]) == [2, 1]
+    assert hosted.got == [PrefillItem("a", [0, 1], sp, 0, "tenant-a"), PrefillItem("b", [2], sp, 0, "")]
+    assert all(type(it) is PrefillItem for it in hosted.got) and sorted(hosted.seqs) == ["a", "b"]

@@ -215,7 +215,7 @@ class NearFarSide(BatchedHandle):
             st = self.near.request(rid)
             if isinstance(block, DraftBlock) and block.tokens and self._speculated(st) and self._worth(spec):
                 fill_items.append(FillItem(rid, list(st.seq), st.sampling, st.seed, spec, list(block.tokens),
-                                           limit, budget, block.alts))
+                                           limit, budget, block.alts, salt=st.salt))
         if not (fill_items or self._released) or not self.fanout.ask():
             return
         length = max((len(it.block) for it in fill_items), default=0)
@@ -231,7 +231,7 @@ class NearFarSide(BatchedHandle):
         once, not from the fill sent once near has drafted (which often came late after a rejection).  Greedy only (a sampled far block is another draw: never as predicted); not while backing off."""
         if self._waiting or len(items) > self.max_rows or not self.link.up or self.fanout.backing_off:
             return
-        then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, then=True)
+        then = [FillItem(rid, list(st.seq), st.sampling, st.seed, spec, [], limit, budget, then=True, salt=st.salt)
                 for rid, spec, limit, budget in items for st in [self.near.request(rid)]
                 if st.sampling.greedy and self._speculated(st) and self._worth(spec)]
         if then:

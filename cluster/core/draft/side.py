@@ -75,6 +75,7 @@ class _Req:
     pre: _Pre | None = None
     tries: int = 0                          # pre-drafted blocks this request got, and how many were used
     hits: int = 0
+    salt: str = ""                          # the request's cache salt (its drafters are prefilled with it)
 
     def worth_predrafting(self, min_hit: float, probe_every: int) -> bool:
         """Pre-draft while the request's pre-drafts come true often enough (Laplace estimate >= min_hit;
@@ -115,10 +116,12 @@ class DraftSide(BatchedHandle):
         self.hits = self.misses = 0            # pre-drafted blocks used / dropped
 
     # -- the handle protocol ------------------------------------------------------------------------
-    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        for rid, ids, sampling, seed in items:
+    def prefill_batch(self, items: list[tuple]) -> None:
+        """Items: :class:`cluster.core.calls.PrefillItem` (or 4-tuples: no salt); no drafter is touched yet."""
+        for item in items:
+            rid, ids, sampling, seed, salt = PrefillItem.of(item)
             self.release(rid)
-            self._reqs[rid] = _Req(list(ids), sampling, seed, self.rng_factory(derive_seed(seed, DRAFTS)))
+            self._reqs[rid] = _Req(list(ids), sampling, seed, self.rng_factory(derive_seed(seed, DRAFTS)), salt=salt)
 
     def score_batch(self, items) -> list:
         """The draft side drafts blocks (``draft_batch``); a strategy scores on one drafter, its member."""
@@ -264,7 +267,7 @@ class DraftSide(BatchedHandle):
             for name in run.spec.drafters:
                 if name not in st.held:
                     need.setdefault(name, []).append((run.key, PrefillItem(run.rid, list(st.seq), st.sampling,
-                                                                           st.seed)))
+                                                                           st.seed, st.salt)))
         failed = {}
         for name, items in need.items():
             try:
@@ -274,7 +277,7 @@ class DraftSide(BatchedHandle):
             except Exception as e:                       # noqa: BLE001 - fails these requests only
                 failed.update({key: e for key, _ in items})
                 continue
-            for _, (rid, seq, _, _) in items:
+            for _, (rid, seq, *_) in items:
                 st = self._reqs[rid]
                 st.held[name], st.agreed[name] = list(seq), len(seq)
         return failed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from cluster.core.calls import PrefillItem
 from cluster.core.draft.cache import KNOWN, Entry, candidates
 from cluster.core.draft.programs import DraftBlock, DraftSpec
 from cluster.core.draft.side import DraftSide
@@ -43,6 +44,7 @@ class FillItem:
     budget: int                  # tokens the request may still emit this step
     alts: list[list[int]] | None = None    # [L][W] the drafter's next-best tokens per position of ``block``
     then: bool = False           # ``seq`` is this step's (no block, no bets): draft ``limit``; the next fill bets
+    salt: str = ""               # the request's cache salt (its branches are prefilled with it)
                                  # on the block drafted here
 
 
@@ -138,11 +140,11 @@ class Speculator:
             e = next((e for e in out.get(it.rid, ()) if e.key[0] == ("known" if it.then else "bonus")), None)
             if e is not None and it.then:            # the fill that verifies this very block comes next
                 pred.append(FillItem(it.rid, list(it.seq), it.sampling, it.seed, it.spec, list(e.block.tokens),
-                                     it.limit, it.budget, e.block.alts))
+                                     it.limit, it.budget, e.block.alts, salt=it.salt))
             elif e is not None:
                 budget = it.budget - len(it.block) - 1
                 pred.append(FillItem(it.rid, list(e.expect), it.sampling, it.seed, it.spec, list(e.block.tokens),
-                                     min(it.limit, budget - 1), budget, e.block.alts))
+                                     min(it.limit, budget - 1), budget, e.block.alts, salt=it.salt))
         self._pred = {it.rid: _drafts(it) for it in pred}
         if any(it.then for it in items):
             keys = self._bets
@@ -203,7 +205,8 @@ class Speculator:
         prid = _branch_rid(it.rid, i)
         at = self._at.get(prid)
         if at is None:
-            self.side.prefill_batch([(prid, list(seq), it.sampling, derive_seed(it.seed, f"speculator-{i}"))])
+            self.side.prefill_batch([PrefillItem(prid, list(seq), it.sampling, derive_seed(it.seed, f"speculator-{i}"),
+                                                 it.salt)])
         else:
             c = _common(at, seq)
             self.side.rollback(prid, c)

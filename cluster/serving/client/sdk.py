@@ -65,11 +65,13 @@ class SpecServeClient:
                 ignore_eos: bool = False, request_id: str | None = None, messages=None,
                 logprobs: int | None = None, prompt_logprobs: int | None = None, prediction: str | None = None,
                 chat_template_kwargs: dict | None = None, tools=None, tool_choice: str = "",
-                parallel_tool_calls: bool | None = None, response_format=None) -> pb.GenerateRequest:
+                parallel_tool_calls: bool | None = None, response_format=None,
+                cache_salt: str | None = None) -> pb.GenerateRequest:
         """A GenerateRequest; ``None`` leaves a field unset (the server's config default).  ``messages``: a
         chat, ``[{"role": ..., "content": ...}]`` (``tool_calls``: ``[{"id", "name", "arguments"}]``), rendered
         with the served model's chat template (with the extra variables ``chat_template_kwargs``); ``tools`` /
-        ``response_format``: OpenAI's list / object; ``prediction``: the output text expected (predicted outputs)."""
+        ``response_format``: OpenAI's list / object; ``prediction``: the output text expected (predicted outputs);
+        ``cache_salt``: what is cached for it is shared only with requests of the same salt."""
         m = pb.GenerateRequest(prompt=prompt or "", prompt_ids=list(prompt_ids or []), stop=list(stop),
                                strategy=strategy or "", options={k: str(v) for k, v in (options or {}).items()},
                                ignore_eos=ignore_eos, request_id=request_id or "",
@@ -81,7 +83,8 @@ class SpecServeClient:
             m.parallel_tool_calls = parallel_tool_calls
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
                             ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
-                            ("prompt_logprobs", prompt_logprobs), ("prediction", prediction)):
+                            ("prompt_logprobs", prompt_logprobs), ("prediction", prediction),
+                            ("cache_salt", cache_salt)):
             if value is not None:
                 setattr(m, name, value)
         return m

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from actors.protocol import StepCall, StepTime, expand_onehot, nbytes, stamp, unpack
+from cluster.core.calls import PrefillItem
 from cluster.core.interfaces import BatchedHandle
-from cluster.core.sampling import Rng, SamplingParams
+from cluster.core.sampling import Rng
 from cluster.serving.control.channel import Channel
 
 
@@ -105,8 +106,10 @@ class RemoteHandle(BatchedHandle):
             self._call(None, [])
 
     # -- batched calls: one round trip each ---------------------------------------------------------
-    def prefill_batch(self, items: list[tuple[str, list[int], SamplingParams, int]]) -> list[int] | None:
-        return self._call("prefill_batch", [(rid, list(ids), s, seed) for rid, ids, s, seed in items])
+    def prefill_batch(self, items: list[tuple]) -> list[int] | None:
+        """Items travel as :class:`cluster.core.calls.PrefillItem` (4-tuples read as unsalted); -> the hosted
+        handle's answer (the prefix cache's hits)."""
+        return self._call("prefill_batch", [PrefillItem.of(it)._replace(ids=list(it[1])) for it in items])
 
     def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
         return self._call("propose_batch", items)

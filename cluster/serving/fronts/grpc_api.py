@@ -102,7 +102,8 @@ def _json(name: str, text: str, allowed: str = "JSON text"):
         raise ParamError(name, allowed, text) from None
 
 
-OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "prediction")
+OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "prediction",
+            "cache_salt")
 
 
 def template_kwargs_json(text: str) -> dict | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from cluster.engine.request import MAX_CACHE_SALT
 from cluster.errors import ParamError, shown
 from cluster.serving.fronts.oai_fields import PREDICTION_ALLOWED, prediction_text
 from cluster.strategies import REGISTRY
@@ -32,7 +33,7 @@ NEUTRAL: dict[str, tuple] = {
     "guided_choice": (None,), "guided_grammar": (None,), "structural_tag": (None,), "logits_processors": (None,),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, *ANY_BOOL),
     "metadata": (None, {}), "store": (None, False), "service_tier": (None, "auto", "default"),
-    "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}), "cache_salt": (None,),
+    "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
 }
 CHAT_ONLY_NEUTRAL = {"echo": (None, False), "add_generation_prompt": (None, True),
@@ -60,6 +61,8 @@ class OpenAIRequest(BaseModel):
     options: dict[str, Any] | None = Field(None, description="an object of strategy options")
     ignore_eos: bool | None = Field(None, description="true or false")
     prediction: Any = Field(None, description=PREDICTION_ALLOWED)
+    cache_salt: str | None = Field(None, description=f"null or text of 1 to {MAX_CACHE_SALT} characters (vLLM's: "
+                                   "what is cached for the request is shared only with requests of the same salt)")
     _usage: tuple[bool, bool] = PrivateAttr((False, False))
 
     @model_validator(mode="after")
@@ -77,7 +80,7 @@ class OpenAIRequest(BaseModel):
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     seed=self.seed, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                     strategy=self.strategy, options=self.options or {}, ignore_eos=bool(self.ignore_eos),
-                    model=self.model, prediction=prediction_text(self.prediction))
+                    model=self.model, prediction=prediction_text(self.prediction), cache_salt=self.cache_salt)
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -6,7 +6,9 @@
   from the prediction that verification kept) and ``rejected_prediction_tokens`` (those it refused), the
   meaning OpenAI gives them: prediction tokens that did / did not appear in the completion.
 * ``chat_template_kwargs`` (vLLM's, chat only): extra variables for the checkpoint's chat template, e.g. Qwen3's
-  ``{"enable_thinking": false}``; :mod:`cluster.models.chat_template` refuses a name its template never reads.
+  ``{"enable_thinking": false}``; a name the template never reads has no effect (as on vLLM: agent frameworks send
+  such switches to every server); :mod:`cluster.models.chat_template` refuses a name the server sets itself and a
+  value the template cannot read (text for a switch it only tests).
 * ``metrics.speculative_decoding``: the request's speculative statistics under vLLM's definitions
   (``vllm/v1/spec_decode/metrics.py``: a draft is one verification step over drafted tokens; the mean
   acceptance length counts the token the target adds to each draft; the draft acceptance rate is accepted over
@@ -23,9 +25,9 @@ from cluster.models.chat_template import RESERVED_TEMPLATE_KWARGS
 PREDICTION_ALLOWED = ('{"type": "content", "content": a string or a list of text parts '
                       '[{"type": "text", "text": a string}]}')
 MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_KWARGS_BYTES = 16, 4096
-TEMPLATE_KWARGS_ALLOWED = (f"null or an object of at most {MAX_TEMPLATE_KWARGS} template variables (names that "
-                           f"the model's chat template reads, not {', '.join(RESERVED_TEMPLATE_KWARGS[:4])}, ...; "
-                           f"JSON values, {MAX_TEMPLATE_KWARGS_BYTES} bytes in all)")
+TEMPLATE_KWARGS_ALLOWED = (f"null or an object of at most {MAX_TEMPLATE_KWARGS} template variables (identifiers, not "
+                           f"{', '.join(RESERVED_TEMPLATE_KWARGS[:4])}, ...; those the model's chat template does not "
+                           f"read have no effect; JSON values, {MAX_TEMPLATE_KWARGS_BYTES} bytes in all)")
 
 
 def prediction_text(value: Any) -> str | None:

@@ -45,6 +45,7 @@ class Fields:
     names: dict[str, str] = field(default_factory=dict)   # engine parameter -> the front's name for it
     prediction: str | None = None          # predicted output text (OpenAI's prediction.content)
     template_kwargs: dict | None = None    # chat: extra chat-template variables (chat_template_kwargs)
+    cache_salt: str | None = None          # vLLM's cache_salt (None: no salt)
 
 
 def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
@@ -74,7 +75,7 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
                              max_new_tokens=_or(f.max_new_tokens, gen.max_new_tokens), stop=tuple(f.stop),
                              strategy=f.strategy, options=dict(f.options), ignore_eos=f.ignore_eos,
                              request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
-                             prediction=f.prediction, grammar=grammar)
+                             prediction=f.prediction, grammar=grammar, cache_salt=f.cache_salt)
 
 
 def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:

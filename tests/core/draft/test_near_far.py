@@ -442,3 +442,20 @@ def test_late_answers_shrink_the_fan_out_and_outputs_stay_exact():
     assert got.token_ids == want and not c.hits and c.late > 0 and c.wasted > 0
     assert (side.fanout.rows, side.fanout.depth) == (side.fanout.min_rows, side.fanout.min_depth)
     assert c.late_fills < c.steps - 2                    # backed off: not every step was asked
+
+
+def test_the_cache_salt_reaches_the_speculators_drafters():
+    """A salted request's speculator branches are prefilled with its salt, as its near drafter is."""
+    from cluster.core.calls import PrefillItem
+
+    class Recording(TabularModel):
+        def prefill_batch(self, items):
+            self.salts = getattr(self, "salts", set()) | {PrefillItem.of(it).salt for it in items}
+            super().prefill_batch(items)
+
+    target, d, copy = TabularModel("target", 5, seed=9), Recording("d", 5, seed=9), Recording("d", 5, seed=9)
+    side = near_far({"d": d}, {"d": copy}, sampled=False)
+    engine = local_engine({"target": target, "d": d, DRAFTS: side}, VocabTokenizer(5))
+    engine.generate(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=12, sampling=SamplingParams(0.0), seed=0,
+                                      strategy="speculative", options={"drafter": "d", "k": 2}, cache_salt="t-1"))
+    assert side.counters.fills > 0 and d.salts == {"t-1"} == copy.salts
