@@ -344,3 +344,18 @@ def test_metrics_urls_that_up_prints_are_scrapeable(served):
     assert urls and all(u.startswith("http://") and u.endswith("/metrics") for u in urls)
     body = _poll(lambda: urllib.request.urlopen(urls[0], timeout=10).read(), "the metrics endpoint")
     assert b"# TYPE" in body
+
+
+def test_grpc_usage_and_server_info_count_the_prefix_cache(served):
+    """The same long prompt twice over gRPC: the second response's stats count the prompt tokens the target's
+    prefix cache held, and ServerInfo's running tally (what ``specserve client --info`` prints) includes them."""
+    _, c = served
+    before = c.server_info()
+    prompt = "def main():\n    " + "total = total + 1\n    " * 8
+    first = c.generate(prompt=prompt, max_new_tokens=3, temperature=0.0)
+    second = c.generate(prompt=prompt, max_new_tokens=3, temperature=0.0)
+    assert second.stats.prompt_tokens >= 32 and 16 <= second.stats.cached_tokens < second.stats.prompt_tokens
+    assert second.token_ids == first.token_ids
+    after = c.server_info()
+    assert after.prefix_cache_queries - before.prefix_cache_queries >= 2 * second.stats.prompt_tokens
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= second.stats.cached_tokens

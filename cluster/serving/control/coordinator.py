@@ -53,6 +53,7 @@ class Coordinator:
         self.engine = Engine.configured(models, self.tokenizer, cfg.engine)
         self.max_batch, self.max_queue = cfg.engine.max_batch, cfg.engine.max_queue
         self.recent: collections.deque = collections.deque(maxlen=64)   # (rid, strategy, outcome, tokens)
+        self.cache_tokens = [0, 0]           # prompt tokens of finished requests, of them found in the prefix cache
         self.metrics = metrics
         self._spec_seen: tuple = (None, {})        # the speculation counters last recorded (their object, values)
         self._timelines: dict[Sequence, Timeline] = {}     # live streamed requests not yet in the batch
@@ -199,6 +200,9 @@ class Coordinator:
     def _record(self, seq: Sequence, admitted: float, timeline: Timeline | None = None) -> None:
         outcome = {"error": "error", "cancelled": "cancelled", "deadline": "deadline"}.get(seq.finish, "ok")
         self.recent.append((seq.rid, seq.req.strategy_name, outcome, len(seq.generated)))
+        if seq.result is not None:                 # the prefix cache's hit rate, for ServerInfo
+            self.cache_tokens[0] += seq.result.stats.prompt_tokens
+            self.cache_tokens[1] += seq.result.stats.cached_tokens
         if self.metrics is not None:
             try:
                 self.metrics.record(seq.req.strategy_name, outcome, seq.result, time.perf_counter() - admitted,

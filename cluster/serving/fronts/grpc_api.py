@@ -115,7 +115,8 @@ def template_kwargs_json(text: str) -> dict | None:
 
 # -- responses -------------------------------------------------------------------------------------
 def stats_to_proto(s) -> pb.Stats:
-    return pb.Stats(strategy=s.strategy, prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
+    return pb.Stats(strategy=s.strategy, prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+                    generated_tokens=s.generated_tokens,
                     steps=s.steps, target_forwards=s.target_forwards, drafter_forwards=s.drafter_forwards,
                     drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
                     accepted_hist=s.accepted_hist, accepted_per_pos=s.accepted_per_pos, wall_s=s.wall_s,
@@ -181,4 +182,5 @@ def server_info(coord, *, request_ids: bool = True) -> pb.ServerInfoResponse:
                                  running=sum(x.status == "running" for x in live), ready=coord.ready,
                                  topology=coord.topology, vocab_size=coord.engine.vocab_size,
                                  recent=[pb.RequestSummary(request_id=r, strategy=s, outcome=o, generated_tokens=n)
-                                         for r, s, o, n in (list(coord.recent) if request_ids else [])])
+                                         for r, s, o, n in (list(coord.recent) if request_ids else [])],
+                                 prefix_cache_queries=coord.cache_tokens[0], prefix_cache_hits=coord.cache_tokens[1])
