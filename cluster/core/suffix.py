@@ -77,6 +77,7 @@ class SuffixIndex:
         self.tokens = 0                                   # tokens of every document held
         self.nodes = 0                                    # trie nodes (memory: the tests hold it bounded)
         self._roots: dict[str, _Node] = {}
+        self._held: dict[str, int] = {}                   # salt -> its documents
         self._docs: dict[Hashable, _Doc] = {}
         self._finished: OrderedDict[Hashable, None] = OrderedDict()    # oldest first
         self._clock = 0
@@ -89,6 +90,7 @@ class SuffixIndex:
         if doc is None:
             doc = self._docs[key] = _Doc(salt)
             self._roots.setdefault(salt, _Node(-1, None, 0))
+            self._held[salt] = self._held.get(salt, 0) + 1
         elif doc.salt != salt:
             raise ValueError(f"SuffixIndex: document {key!r} is indexed under another salt")
         have, n = doc.tokens, min(len(doc.tokens), len(tokens))
@@ -116,8 +118,9 @@ class SuffixIndex:
             return
         while doc.tokens:
             self._pop(doc)
-        if not any(d.salt == doc.salt for d in self._docs.values()):
-            del self._roots[doc.salt]
+        self._held[doc.salt] -= 1
+        if not self._held[doc.salt]:                      # a salt's last document: its trie is empty
+            del self._roots[doc.salt], self._held[doc.salt]
 
     def __len__(self) -> int:
         return len(self._docs)
