@@ -34,15 +34,15 @@ from cluster.models.build import build_handle
 
 
 class DraftHost:
-    """The actor body: builds the unit's drafters (``names``; ``mag`` with the target's vocabulary)."""
+    """The actor body: builds the unit's drafters (``names``; the statistical ones with the target's vocabulary)."""
 
     def __init__(self, cfg, names: list[str], vocab_size: int | None = None, threads: int = 1,
                  overlap: bool = True):
         torch.set_num_threads(threads)
         members = {n: build_handle(cfg, n) for n in names}
-        if cfg.mag is not None:                  # the target's vocabulary (= every drafter's; None: theirs)
+        for name in cfg.statistical:            # the target's vocabulary (= every drafter's; None: theirs)
             vocab = vocab_size or min(h.vocab_size for h in members.values())
-            members[cfg.mag.name] = build_handle(cfg, cfg.mag.name, vocab_size=vocab)
+            members[name] = build_handle(cfg, name, vocab_size=vocab)
         self.side = DraftSide(members, overlap=overlap, deferred=True)
         self._predraft: threading.Thread | None = None
         self.predraft_s = self.wait_s = 0.0     # background seconds pre-drafting; calls' seconds waiting on it

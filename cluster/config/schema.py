@@ -15,6 +15,7 @@ import yaml
 
 from cluster.config.layout import ClusterSpec
 from cluster.core.sampling import SamplingParams
+from cluster.core.suffix import DEFAULT_MAX_DEPTH, DEFAULT_MAX_TOKENS, DEFAULT_MIN_PROB, DEFAULT_SPEC_FACTOR
 from cluster.errors import ConfigError, ParamError, check_config_choice
 from cluster.strategies import REGISTRY, all_options
 
@@ -186,6 +187,34 @@ class MagSpec:
             raise ConfigError(f"{path}.occurrence: must be recent or first, got {self.occurrence!r}")
 
 
+@dataclass(frozen=True)
+class SuffixSpec:
+    """The suffix drafter (Oliaro et al., *SuffixDecoding*; :mod:`cluster.core.suffix`), served as model ``name``: a
+    cross-request index of recent requests' prompts and outputs, one per ``cache_salt``.
+
+    ``max_tokens``: tokens the index holds (finished requests evicted oldest first; each costs a few hundred
+    bytes); ``max_depth``: the longest match it indexes; ``spec_factor``: a draft is at most this many times the
+    match length; ``min_prob``: drafting stops once the draft's probability (the product of its tokens' empirical
+    probabilities) falls below this.
+    """
+
+    name: str = "suffix"
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_depth: int = DEFAULT_MAX_DEPTH
+    spec_factor: float = DEFAULT_SPEC_FACTOR
+    min_prob: float = DEFAULT_MIN_PROB
+
+    def validate(self, path: str) -> None:
+        for field_, low, high, value in (("max_tokens", 1, 1 << 30, self.max_tokens),
+                                         ("max_depth", 2, 1024, self.max_depth)):
+            if not low <= value <= high:
+                raise ConfigError(f"{path}.{field_}: must be in [{low}, {high}], got {value}")
+        if not 0 < self.spec_factor <= 1024:
+            raise ConfigError(f"{path}.spec_factor: must be in (0, 1024], got {self.spec_factor}")
+        if not 0 <= self.min_prob <= 1:
+            raise ConfigError(f"{path}.min_prob: must be in [0, 1], got {self.min_prob}")
+
+
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")    # cluster/models/tool_calls.py: FORMATS
 
 
@@ -209,6 +238,7 @@ class Config:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     zoo_cache_dir: str | None = None
     mag: MagSpec | None = None          # add the Max-Gram drafter to the served models
+    suffix: SuffixSpec | None = None    # add the suffix drafter (past outputs as drafts) to the served models
     cluster: ClusterSpec = field(default_factory=ClusterSpec)   # Ray layout (cluster/config/layout.py)
     chat: ChatSpec = field(default_factory=ChatSpec)            # tool-call format of /v1/chat/completions
     source: str = "<dict>"
@@ -225,6 +255,10 @@ class Config:
             self.mag.validate("mag")
             if self.mag.name in self.models:
                 raise ConfigError(f"mag.name: {self.mag.name!r} clashes with a model in models")
+        if self.suffix is not None:
+            self.suffix.validate("suffix")
+            if self.suffix.name in self.models or (self.mag is not None and self.suffix.name == self.mag.name):
+                raise ConfigError(f"suffix.name: {self.suffix.name!r} clashes with a model in models or mag.name")
         self.engine.validate("engine")
         self.generation.validate("generation")
         self.cluster.validate("cluster")
@@ -236,6 +270,12 @@ class Config:
     @property
     def drafters(self) -> list[str]:
         return [n for n in self.models if n != self.target]
+
+    @property
+    def statistical(self) -> list[str]:
+        """The statistical drafters served beside the models (Max-Gram, the suffix drafter): no checkpoint, the
+        target's vocabulary."""
+        return [spec.name for spec in (self.mag, self.suffix) if spec is not None]
 
 
 def load_config(path: str | Path) -> Config:

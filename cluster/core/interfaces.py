@@ -64,6 +64,7 @@ class BatchedHandle(ABC):
     # a deterministic drafter (the Max-Gram drafter) proposes each token with probability 1: its proposal
     # logits are one-hot (0 at the token, -inf elsewhere) and a forward costs nothing worth counting per token
     deterministic: bool = False
+    statistical: str | None = None   # which deterministic drafter: "maxgram" or "suffix" (strategies find theirs by it)
     proposes: bool = False           # implements propose_batch (a drafter)
     adaptive: bool = False           # implements propose_adaptive_batch (SpecDec++ drafting)
     specdec_head: str | None = None  # the path of the SpecDec++ acceptance head it drafts with, if built
@@ -127,6 +128,7 @@ class BatchedHandle(ABC):
         """What the handle declares, as plain values (an actor sends it to the remote handle over it)."""
         return dict(name=self.name, vocab_size=self.vocab_size, max_length=self.max_length,
                     num_params=int(self.num_params), deterministic=bool(self.deterministic),
+                    statistical=self.statistical,
                     proposes=bool(self.proposes), adaptive=bool(self.adaptive), specdec_head=self.specdec_head,
                     memory=self.memory)
 

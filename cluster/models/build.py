@@ -24,6 +24,7 @@ from cluster.core.interfaces import BatchedHandle, Tokenizer
 from cluster.errors import ConfigError
 from cluster.models.batched import BatchedHFWorker
 from cluster.models.maxgram import MagHandle, load_bigram
+from cluster.models.suffix import SuffixHandle
 from cluster.models.tiny import tiny_llama, truncated
 from cluster.models.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -67,8 +68,12 @@ def checkpoint_dir(cfg: Config, name: str) -> Path:
 
 def build_handle(cfg: Config, name: str, *, tp_size: int = 1, vocab_size: int | None = None) -> BatchedHandle:
     """The handle for model ``name`` of ``cfg``: a :class:`BatchedHFWorker` (sharded over the current process
-    group when ``tp_size > 1``), or the Max-Gram drafter for the ``mag:`` section's name (it needs the
-    target's ``vocab_size``)."""
+    group when ``tp_size > 1``), or the Max-Gram drafter for the ``mag:`` section's name, or the suffix drafter for
+    the ``suffix:`` section's (both need the target's ``vocab_size``)."""
+    if cfg.suffix is not None and name == cfg.suffix.name:
+        sx = cfg.suffix
+        return SuffixHandle(vocab_size, name=name, max_depth=sx.max_depth, max_tokens=sx.max_tokens,
+                            spec_factor=sx.spec_factor, min_prob=sx.min_prob)
     if cfg.mag is not None and name == cfg.mag.name:
         path = default_bigram_path(cfg)
         if not path.is_file():
@@ -107,16 +112,17 @@ def model_vocab_size(cfg: Config, name: str) -> int:
 
 
 def build_handles(cfg: Config, names: list[str] | None = None) -> dict[str, BatchedHandle]:
-    """Handles for ``names`` (default: the target, every drafter and the Max-Gram drafter), target first."""
+    """Handles for ``names`` (default: the target, every drafter and the statistical drafters), target first."""
     if names is None:
-        names = [cfg.target] + cfg.drafters + ([cfg.mag.name] if cfg.mag is not None else [])
+        names = [cfg.target] + cfg.drafters + cfg.statistical
     handles: dict[str, BatchedHandle] = {}
     for name in names:
-        if name != (cfg.mag.name if cfg.mag is not None else None):
+        if name not in cfg.statistical:
             handles[name] = build_handle(cfg, name)
     vocab = {n: h.vocab_size for n, h in handles.items()}
     if len(set(vocab.values())) > 1:
         raise ConfigError(f"models: all models must share one vocabulary, got sizes {vocab}")
-    if cfg.mag is not None and cfg.mag.name in names:
-        handles[cfg.mag.name] = build_handle(cfg, cfg.mag.name, vocab_size=next(iter(vocab.values())))
+    for name in cfg.statistical:
+        if name in names:
+            handles[name] = build_handle(cfg, name, vocab_size=next(iter(vocab.values())))
     return handles

@@ -39,6 +39,7 @@ class MagHandle(PerRequestHandle):
 
     deterministic = True          # one-hot proposals (see cluster.core.interfaces)
     proposes = True
+    statistical = "maxgram"
 
     def __init__(self, vocab_size: int, bigram: np.ndarray | None = None, *, name: str = "mag",
                  max_ngram: int = DEFAULT_MAX_NGRAM, max_length: int = 1 << 30, occurrence: str = "recent"):

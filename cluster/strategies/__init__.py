@@ -6,6 +6,7 @@ from cluster.strategies import (  # noqa: F401  importing each strategy module r
     spec_cascades,
     specdec_pp,
     speculative,
+    suffix,
 )
 from cluster.strategies.base import (
     REGISTRY,

@@ -2,7 +2,9 @@
 vertical + horizontal cascades, exact under sampling.
 
 Models: the target (index 0) and an ordered drafter list ``drafters`` = [d_1, ..., d_n] (largest first;
-normally ending with the Max-Gram drafter ``mag``).  Only the last drafter ever *proposes*; every other
+normally ending with the Max-Gram drafter ``mag``, or with the suffix drafter ``suffix`` (:mod:`cluster.core.suffix`:
+continuations of recent requests, at most K tokens per proposal, fewer where its counts say so), which only
+proposes and so is a bottom drafter only).  Only the last drafter ever *proposes*; every other
 drafter only *reviews* (one ``score`` forward pass over the draft of the drafters below it), so no
 neural drafter decodes autoregressively (vertical cascade, section 3.1).
 
@@ -113,8 +115,9 @@ def default_kmatrix(n: int, neural_bottom: bool = False) -> tuple[tuple[int, ...
     return tuple(rows)
 
 
-DRAFTERS = Option("drafters", str, None, "cascade drafters, largest first, ending with the statistical "
-                  "drafter (default: the neural drafters by size, then mag)", parser=parse_drafters)
+DRAFTERS = Option("drafters", str, None, "cascade drafters, largest first, ending with a statistical "
+                  "drafter, mag or suffix (default: the neural drafters by size, then mag, else suffix)",
+                  parser=parse_drafters)
 KMATRIX = Option("kmatrix", str, None, "K-matrix: row r = budgets when model r reviews (r = 0 the target), "
                  "column j = drafter j+1; rows ';'-separated, e.g. 2,10;0,10", parser=parse_kmatrix)
 LENIENCE = Option("lenience", float, 1.0, "lenience l >= 1 where a drafter reviews (never the target)",
@@ -140,6 +143,10 @@ class CSDrafting(Strategy):
         names = opts["drafters"] or self._default_drafters()
         for n in names:
             self.check_drafter(n, "drafters")
+        for n in names[:-1]:               # above the bottom a drafter reviews: it must score
+            if getattr(models[n], "statistical", None) == "suffix":
+                raise ParamError("drafters", "the suffix drafter last only (it proposes, it never reviews)",
+                                 ",".join(names))
         self.names = tuple(names)
         n = len(self.names)
         neural_bottom = not _is_mag(models[self.names[-1]])
@@ -162,7 +169,8 @@ class CSDrafting(Strategy):
     def _default_drafters(self) -> tuple[str, ...]:
         neural = sorted((n for n in self.drafter_names() if not _is_mag(self.models[n])),
                         key=lambda n: -self.models[n].num_params)
-        mags = [n for n in self.drafter_names() if _is_mag(self.models[n])]
+        mags = sorted((n for n in self.drafter_names() if _is_mag(self.models[n])),     # Max-Gram first
+                      key=lambda n: getattr(self.models[n], "statistical", None) == "suffix")
         return tuple(neural + mags[:1])
 
     def roles(self) -> list[str]:
@@ -176,5 +184,5 @@ class CSDrafting(Strategy):
 
 
 def _is_mag(handle) -> bool:
-    """A deterministic drafter (the Max-Gram drafter), by its declared capability."""
+    """A deterministic drafter (Max-Gram or the suffix drafter: one-hot q), by its declared capability."""
     return handle.deterministic

@@ -18,12 +18,18 @@ K = Option("k", int, 3, "draft tokens per step", low=1, high=64)
 
 
 def find_mag(models) -> str:
-    """The name of the served MaG drafter (config section ``mag``), by its declared capability only: the
-    deterministic drafter."""
+    """The name of the served MaG drafter (config section ``mag``), by its declared capabilities only: the
+    deterministic drafter that is not another statistical drafter (the suffix drafter)."""
+    return find_statistical(models, "maxgram", "mag", "the Max-Gram drafter")
+
+
+def find_statistical(models, kind: str, section: str, what: str) -> str:
+    """The name of the served deterministic drafter of ``kind`` (its ``statistical`` capability; a deterministic
+    drafter that names none counts as Max-Gram), else a ParamError naming the config ``section`` to add."""
     for name, m in models.items():
-        if m.deterministic:
+        if m.deterministic and (getattr(m, "statistical", None) or "maxgram") == kind:
             return name
-    raise ParamError("strategy", "a config with a `mag:` section (the Max-Gram drafter is not served)",
+    raise ParamError("strategy", f"a config with a `{section}:` section ({what} is not served)",
                      ", ".join(n for n in models if n != DRAFTS))
 
 

@@ -94,7 +94,7 @@ def grouped_engine(tiny_engine):
     from cluster.family import ensure_built
     from cluster.serving.control.remote import RemoteHandle
     data = yaml.safe_load(open(ROOT / "configs" / "tiny.yaml"))
-    data["mag"] = {}
+    data["mag"], data["suffix"] = {}, {}
     cfg = config_from_dict(data)
     ensure_built(cfg, progress=False)
     target = InProcessChannel(ModelHost(cfg, cfg.target))
@@ -106,7 +106,8 @@ def grouped_engine(tiny_engine):
 
 
 @pytest.mark.parametrize("strategy,options", [("speculative", {}), ("mag", {}), ("cs_drafting", {}),
-                                              ("specdec_pp", {"threshold": 0.3}), ("spec_cascade", {})])
+                                              ("specdec_pp", {"threshold": 0.3}), ("spec_cascade", {}),
+                                              ("suffix", {}), ("cs_drafting", {"drafters": "drafter-small,suffix"})])
 def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped_engine, strategy, options):
     """Drafting strategies cost one draft-side call per target forward (CS Drafting too, whose cascade makes
     several drafter calls inside the group); greedy output equals autoregressive, pre-drafted blocks included;
@@ -130,14 +131,14 @@ def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped
     assert got.token_ids == want
     drafts = [m for m, _ in group.calls if m == "draft_batch"]
     scores = [m for m, _ in target.calls if m in ("score_batch", "verify_batch")]
-    if strategy in ("speculative", "mag", "cs_drafting"):
+    if strategy in ("speculative", "mag", "cs_drafting", "suffix"):
         assert 0 < len(drafts) <= len(scores) == got.stats.target_forwards
         assert all(m in ("draft_batch", "prefill_batch", None) for m, _ in group.calls)
         assert engine.models["@drafts"].timing.bytes_in <= 8 * 64 * len(drafts)     # token ids, no logits
     host._join()
     assert not target.active_requests() and not host.side.active_requests()
     assert all(not h.active_requests() for h in host.side.members.values())
-    if strategy in ("speculative", "mag", "cs_drafting"):   # next blocks were pre-drafted (used or dropped)
+    if strategy in ("speculative", "mag", "cs_drafting", "suffix"):   # next blocks were pre-drafted (used or dropped)
         assert host.side.hits + host.side.misses + host.given_up > 0
     target.calls.clear()
     group.calls.clear()

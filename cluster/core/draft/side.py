@@ -146,9 +146,14 @@ class DraftSide(BatchedHandle):
         st.last, st.pre = list(tokens), None
 
     def release(self, rid: str) -> None:
+        """Forget the request on every drafter it used; a deterministic one is first brought to the committed
+        sequence (one rollback + extend, no forward), so a drafter that keeps what requests committed (the suffix
+        drafter's index) keeps the output, not its own last proposals."""
         st = self._reqs.pop(rid, None)
         if st is not None:
             for name in st.held:
+                if self.members[name].deterministic:
+                    self._syncer(st, rid)(name, [])
                 self.members[name].release(rid)
 
     def active_requests(self) -> list[str]:

@@ -77,6 +77,7 @@ class RemoteHandle(BatchedHandle):
         self.max_length = int(info["max_length"])
         self.num_params = int(info["num_params"])
         self.deterministic, self.proposes = bool(info["deterministic"]), bool(info["proposes"])
+        self.statistical = info.get("statistical")
         self.adaptive, self.specdec_head = bool(info["adaptive"]), info["specdec_head"]
         self.memory = info["memory"]          # KV bytes per token, weights, device memory (the KV budget)
         self.placement = placement

@@ -68,7 +68,7 @@ def build_unit(cfg: Config, topology: str | None = None):
         started[cfg.target] = ([actor], None, "actor")
 
     far = None                                   # speculator: the draft-group actor hosting it
-    if (separated or speculator) and (cfg.drafters or cfg.mag is not None):   # every drafter in one draft-group actor
+    if (separated or speculator) and (cfg.drafters or cfg.statistical):       # every drafter in one draft-group actor
         vocab = model_vocab_size(cfg, cfg.target)     # the Max-Gram table's, from the config alone
         actor = start_draft_actor(cfg, list(cfg.drafters), vocab, threads=cl.drafters.threads,
                                   overlap=separated and cfg.engine.overlap_on(draft_side_remote=True),
@@ -94,10 +94,9 @@ def build_unit(cfg: Config, topology: str | None = None):
         for member, minfo in info.get("members", {}).items():       # the draft group's drafters, one by one
             entries[member] = ModelEntry(member, "drafter", placement,
                                          RemoteHandle(ch, minfo, placement=placement, member=member))
-    if cfg.mag is not None and not separated:                                   # MaG in-process too
+    for name in cfg.statistical if not separated else ():                      # MaG, the suffix drafter in-process too
         vocab = entries[cfg.target].handle.vocab_size
-        entries[cfg.mag.name] = ModelEntry(cfg.mag.name, "drafter", "local",
-                                           build_handle(cfg, cfg.mag.name, vocab_size=vocab))
+        entries[name] = ModelEntry(name, "drafter", "local", build_handle(cfg, name, vocab_size=vocab))
     ordered = {cfg.target: entries[cfg.target], **{n: e for n, e in entries.items() if n != cfg.target}}
     handles = {n: e.handle for n, e in ordered.items()}
     if far is not None:                          # the near draft side over this process's drafters, and the far one
