@@ -9,6 +9,9 @@ interleaved turn by turn over the same models' checkpoints, so the ratios are co
 * ``agent``: the same tool schema (a long preamble) answered again and again with a short varying request, one
   request at a time (an agent loop).
 
+A third row, ``on+suffix``, runs the suffix drafter (past outputs as drafts, :mod:`cluster.core.suffix`) with
+caching on, where the config serves it.
+
 Per workload, caching and turn: time to first token p50 / p99, tok/s of the turn's batch, the prompt tokens and
 the share of them the target's prefix cache held (``usage.prompt_tokens_details.cached_tokens``).  A one-line
 prompt's TTFT, measured in the same run, is the yardstick the last turn is compared with, and every output with
@@ -40,15 +43,22 @@ ASKS = ["def parse(line):", "class Cache:", "def main():", "import os\n", "def l
         "def retry(fn, n):", "with open(name) as f:"]
 
 
-def _engines(cfg):
-    return {mode: build_engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefix_caching=mode)))
-            for mode in ("on", "off")}
+def _engines(cfg) -> dict[str, tuple]:
+    """Row name -> (engine, strategy): plain decoding with prefix caching on and off, and with the suffix drafter
+    (past outputs as drafts) on top of caching where the config serves it -- each over its own models."""
+    def engine(mode):
+        return build_engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefix_caching=mode)))
+    rows = {"on": (engine("on"), "autoregressive"), "off": (engine("off"), "autoregressive")}
+    if cfg.suffix is not None:
+        rows["on+suffix"] = (engine("on"), "suffix")
+    return rows
 
 
-def _turn(engine, prompts: list[list[int]], max_new: int):
+def _turn(row: tuple, prompts: list[list[int]], max_new: int):
+    engine, strategy = row
     t0 = time.perf_counter()
     res = engine.generate_many([GenerationRequest(prompt_ids=p, max_new_tokens=max_new, sampling=GREEDY, seed=0,
-                                                  strategy="autoregressive", ignore_eos=True) for p in prompts])
+                                                  strategy=strategy, ignore_eos=True) for p in prompts])
     return res, time.perf_counter() - t0
 
 
@@ -67,7 +77,7 @@ def run(args, cfg) -> int:
     turns = check_int("turns", getattr(args, "turns", None) or 4, 1, 16)
     max_new = check_int("max_new_tokens", getattr(args, "max_new_tokens", None) or 24, 1, 256)
     engines = _engines(cfg)
-    tok = engines["on"].tokenizer
+    tok = engines["on"][0].tokenizer
     system = tok.encode(SYSTEM)
     table, equal, total = [], 0, 0
     for mode, eng in engines.items():                           # warm-up and the one-line yardstick
@@ -84,7 +94,7 @@ def run(args, cfg) -> int:
             table.append(_row("chat", mode, turn, res, wall))
             history[mode] = [p + r.token_ids for p, r in zip(prompts, res)]
             outs[mode] = [r.token_ids for r in res]
-        equal += sum(a == b for a, b in zip(outs["on"], outs["off"]))
+        equal += sum(all(o[i] == outs["off"][i] for o in outs.values()) for i in range(convs))
         total += convs
     tools = tok.encode(TOOLS)
     for i in tqdm(range(turns * 2), desc="bench agent", unit="call"):
@@ -93,12 +103,13 @@ def run(args, cfg) -> int:
             res, wall = _turn(eng, [tools + tok.encode(f"\nTask {i}: {ASKS[i % len(ASKS)]}")], max_new)
             table.append(_row("agent", mode, i + 1, res, wall))
             outs[mode] = res[0].token_ids
-        equal += outs["on"] == outs["off"]
+        equal += all(o == outs["off"] for o in outs.values())
         total += 1
     _summarise(table)
     print_table(table, f"chat: {convs} conversations x {turns} turns sharing a system prompt ({len(system)} tokens), "
-                       f"agent: one tool schema ({len(tools)} tokens) {turns * 2} times; prefix caching on / off, "
-                       f"greedy, {max_new} new tokens; outputs equal with and without caching: {equal}/{total}; "
+                       f"agent: one tool schema ({len(tools)} tokens) {turns * 2} times; prefix caching on / off "
+                       f"(and on + the suffix drafter), greedy, {max_new} new tokens; outputs equal across rows: "
+                       f"{equal}/{total}; "
                        f"config {cfg.source}")
     out = Path(args.out)
     write_results(table, out, "bench_chat")
@@ -126,8 +137,10 @@ def _plot(table: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, workload in zip(axes, ("chat", "agent")):
-        for mode, color in (("on", "tab:blue"), ("off", "tab:red")):
+        for mode, color in (("on", "tab:blue"), ("off", "tab:red"), ("on+suffix", "tab:green")):
             sel = [r for r in table if r["workload"] == workload and r["caching"] == mode]
+            if not sel:
+                continue
             ax.plot([r["turn"] for r in sel], [r["ttft_p50_ms"] for r in sel], marker="o", color=color,
                     label=f"prefix caching {mode}")
         line = [r["ttft_p50_ms"] for r in table if r["workload"] == "one-line" and r["caching"] == "on"]

@@ -1,12 +1,13 @@
 """`bench --suite chat` on the tiny models: later turns find their history in the prefix cache, caching off finds
 nothing, outputs are equal with and without it, and the table, files and plot are written."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 
 from cluster.bench.chat import run
-from cluster.config.schema import load_config
+from cluster.config.schema import SuffixSpec, load_config
 from cluster.errors import ParamError
 
 
@@ -21,7 +22,16 @@ def test_chat_suite_compares_caching_on_and_off(tmp_path, capsys):
     assert by[("chat", "on", 1)]["hit_rate"] == 0                    # nothing shared within the first batch yet
     assert by[("chat", "on", 2)]["tok_s_vs_off"] is not None and by[("chat", "on", 2)]["ttft_vs_one_line"] > 0
     assert (tmp_path / "bench_chat.png").stat().st_size > 0
-    assert "outputs equal with and without caching: 8/8" in capsys.readouterr().out
+    assert "outputs equal across rows: 8/8" in capsys.readouterr().out
+
+
+def test_the_suffix_row_drafts_from_earlier_turns(tmp_path, capsys):
+    cfg = dataclasses.replace(load_config("configs/tiny.yaml"), suffix=SuffixSpec())
+    assert run(SimpleNamespace(conversations=2, turns=2, max_new_tokens=6, out=str(tmp_path)), cfg) == 0
+    rows = json.loads((tmp_path / "bench_chat.json").read_text())
+    suffix = [r for r in rows if r["caching"] == "on+suffix"]
+    assert len(suffix) == 1 + 2 + 4 and suffix[-1]["hit_rate"] > 0.5
+    assert "outputs equal across rows: 8/8" in capsys.readouterr().out
 
 
 def test_chat_suite_refuses_bad_sizes(tmp_path):
