@@ -42,10 +42,11 @@ def chain(ids: list[int], salt: str | None = None, n: int | None = None) -> list
 
 
 class PrefixIndex:
-    """Block key -> the slot holding that block (and every block before it), plus the free slots' LRU order."""
+    """Block key -> the slots holding that block (and every block before it), plus the free slots' LRU order.
+    A block many prompts share (a system prompt) is held by many slots; reusing one of them leaves the others."""
 
     def __init__(self):
-        self._slot_of: dict[int, int] = {}             # block key -> slot
+        self._slot_of: dict[int, dict[int, None]] = {}  # block key -> the slots holding it, latest last
         self._keys_of: dict[int, list[int]] = {}       # slot -> the keys it registered
         self.free: OrderedDict[int, None] = OrderedDict()   # released slots, the longest released first
         self.queries = self.hits = 0                   # prompt tokens looked up / found (vLLM's metric names)
@@ -54,26 +55,30 @@ class PrefixIndex:
         """(slot, tokens) of the longest cached chain among ``ids[:limit]`` (None, 0 without one)."""
         slot, found = None, 0
         for i, key in enumerate(chain(ids, salt, limit)):
-            s = self._slot_of.get(key)
-            if s is None:
+            holders = self._slot_of.get(key)
+            if not holders:
                 break
-            slot, found = s, (i + 1) * BLOCK
+            slot, found = next(reversed(holders)), (i + 1) * BLOCK
         self.queries += max(limit, 0)
         self.hits += found
         return slot, found
 
     def register(self, slot: int, ids: list[int], salt: str | None, n: int) -> None:
         """``slot`` holds valid states for ``ids[:n]``: its full blocks become findable there."""
+        self.forget(slot)
         keys = chain(ids, salt, n)
         self._keys_of[slot] = keys
         for key in keys:
-            self._slot_of[key] = slot
+            self._slot_of.setdefault(key, {})[slot] = None
 
     def forget(self, slot: int) -> None:
         """``slot`` is about to be written from position 0 again (or below what it registered)."""
         for key in self._keys_of.pop(slot, ()):
-            if self._slot_of.get(key) == slot:
-                del self._slot_of[key]
+            holders = self._slot_of.get(key)
+            if holders is not None:
+                holders.pop(slot, None)
+                if not holders:
+                    del self._slot_of[key]
 
     def release(self, slot: int) -> None:
         self.free[slot] = None

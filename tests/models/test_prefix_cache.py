@@ -54,6 +54,20 @@ def test_lookup_stops_at_the_first_missing_block_and_salts_isolate():
     assert index.hits == 3 * BLOCK + 2 * BLOCK + BLOCK
 
 
+def test_reusing_one_holder_of_a_shared_prefix_leaves_the_others():
+    """Two conversations share a system prompt: taking one's slot keeps the other's whole history findable."""
+    index, system = PrefixIndex(), ids(2 * BLOCK, 20)
+    a, b = system + ids(BLOCK, 21), system + ids(BLOCK, 22)
+    index.register(1, a, None, len(a))
+    index.register(2, b, None, len(b))
+    index.forget(2)                                          # b's slot is reused
+    assert index.lookup(a, None, len(a)) == (1, 3 * BLOCK)
+    assert index.lookup(b, None, len(b)) == (1, 2 * BLOCK)  # the shared blocks, from a's slot
+    index.register(2, b, None, len(b))
+    index.forget(1)
+    assert index.lookup(b, None, len(b)) == (2, 3 * BLOCK)
+
+
 def test_free_slots_are_evicted_least_recently_released_first():
     index = PrefixIndex()
     for slot in (3, 1, 2):
