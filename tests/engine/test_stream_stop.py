@@ -8,6 +8,7 @@ import pytest
 from cluster.core.sampling import Rng, SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
+from cluster.models.suffix import SuffixHandle
 from cluster.strategies import REGISTRY
 from tests.support.adaptive import AdaptiveTabular
 from tests.support.exact import TabularModel, VocabTokenizer
@@ -24,6 +25,7 @@ CASES = {
     "lossy": dict(drafter="drafter", k=4, alpha=0.5, beta=1.0, bonus="pi"),
     "token_cascade": dict(drafter="drafter", alpha=0.7),
     "oracle_cascade": dict(drafter="drafter", rule="diff", alpha=0.1),
+    "suffix": dict(k=4),
 }
 SINGLE_TOKEN_STEPS = {"autoregressive", "oracle_cascade"}
 
@@ -33,7 +35,7 @@ def _engine():
               "drafter": TabularModel("drafter", V, seed=2),
               "small": TabularModel("small", V, seed=3),
               "adaptive": AdaptiveTabular("adaptive", V, seed=2, accept=0.97),
-              "mag": MagHandle(V, np.array([1, 2, 3, 0]))}
+              "mag": MagHandle(V, np.array([1, 2, 3, 0])), "suffix": SuffixHandle(V)}
     return local_engine(models, VocabTokenizer(V)), models
 
 
@@ -56,6 +58,8 @@ def test_streamed_ids_concatenate_to_result_when_a_stop_string_lands_mid_block(s
     engine, models = _engine()
     landed_mid_block = 0
     for seed in range(6):
+        if strategy == "suffix":
+            engine, models = _engine()
         chunks, full = _stream(engine, models, strategy, CASES[strategy], seed)
         assert [t for c in chunks for t in c.token_ids] == full.token_ids and len(full.token_ids) == 40
         # cut inside the first step that emitted >= 2 tokens (or after the third token of one-token steps)
@@ -68,6 +72,8 @@ def test_streamed_ids_concatenate_to_result_when_a_stop_string_lands_mid_block(s
         text = engine.tokenizer.decode(full.token_ids[:cut])   # one letter per token
         n = next(n for n in range(1, cut + 1) if text[cut - n:] not in text[:cut - 1])
         stop = text[cut - n:]                    # the shortest suffix that first occurs ending at ``cut``
+        if strategy == "suffix":     # its index remembers the first run's output, which changes its drafts
+            engine, models = _engine()
         chunks, res = _stream(engine, models, strategy, CASES[strategy], seed, stop=(stop,))
         streamed = [t for c in chunks for t in c.token_ids]
         assert res.finish_reason == "stop" and res.token_ids == full.token_ids[:cut]

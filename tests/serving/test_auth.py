@@ -128,6 +128,7 @@ class FakeCoordinator:
         self.max_batch, self.max_queue, self.topology = 4, 8, "separated"
         self.engine = SimpleNamespace(vocab_size=256)
         self.recent = [("old-request", "greedy", "ok", 3)]
+        self.cache_tokens = [40, 16]         # prompt tokens of finished requests, of them from the prefix cache
         self.fail_with = None
 
     def active_requests(self):

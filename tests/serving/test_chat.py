@@ -35,6 +35,8 @@ def test_chat_completion_is_the_templated_prompt_completed(app, tiny_engine):
     assert choice["message"] == {"role": "assistant", "content": want.text} and choice["logprobs"] is None
     assert choice["finish_reason"] in ("stop", "length")
     prompt_ids = tiny_engine.tokenizer.encode(render_chat(tiny_engine.tokenizer, MESSAGES))
+    cached = out["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < len(prompt_ids) and cached % 16 == 0          # whole blocks of the prefix cache
     assert out["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(want.token_ids),
                             "total_tokens": len(prompt_ids) + len(want.token_ids)}
     max_completion = _post(a, {**BASE, "max_tokens": 50, "max_completion_tokens": 2}).json()
