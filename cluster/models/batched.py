@@ -68,7 +68,6 @@ class BatchedHFWorker(BatchedHandle):
         self.device = next(model.parameters()).device
         self._cache = SlotCache(self.layout.layer_types, self.max_length)
         self._requests: dict[str, _Request] = {}
-        self._free: set[int] = set()                  # released slots below _next_slot (no prefix caching)
         self._next_slot = 0
         self.prefix_caching = True                    # engine.prefix_caching (cluster/models/prefix_cache.py)
         self.prefix = PrefixIndex()
@@ -192,12 +191,10 @@ class BatchedHFWorker(BatchedHandle):
             slot = self.prefix.take(donor)
             if slot is not None:
                 self.prefix.forget(slot)            # written again from the hit on: re-registered after prefill
-                self._free.discard(slot)
                 return slot
-        elif self._free:
-            slot = min(self._free)
-            self._free.discard(slot)
-            self.prefix.free.pop(slot, None)
+        elif self.prefix.free:                      # the released slots, as the index orders them
+            slot = min(self.prefix.free)
+            del self.prefix.free[slot]
             return slot
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         return slot
@@ -205,7 +202,6 @@ class BatchedHFWorker(BatchedHandle):
     def _drop(self, rid: str) -> None:               # caller holds the lock
         req = self._requests.pop(rid, None)
         if req is not None:
-            self._free.add(req.slot)
             if self.prefix_caching:                # what it computed stays findable until the slot is reused
                 self.prefix.register(req.slot, req.tokens, req.salt, req.cached)
             self.prefix.release(req.slot)
