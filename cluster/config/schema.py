@@ -93,6 +93,10 @@ class EngineSpec:
     # automatic prefix caching (cluster/models/prefix_cache.py): a prompt's leading blocks already computed on a
     # model (an earlier turn, a shared system prompt) are not computed again, on the target and every drafter
     prefix_caching: str = "on"
+    # a request whose target state is lost (the target's actor died, a rank was replaced) starts again from its
+    # prompt and the tokens it emitted, exactly, once the target answers, at most this many times (0: it fails
+    # with UNAVAILABLE); cluster/engine/engine.py, Engine._suspend
+    resume_limit: int = 3
 
     def overlap_on(self, draft_side_remote: bool) -> bool:
         """What ``overlap`` means, decided here only: pre-draft where the draft side has a process of its own
@@ -123,6 +127,8 @@ class EngineSpec:
         if self.plain_from_batch is not None and not 1 <= self.plain_from_batch <= 4096:
             raise ConfigError(f"{path}.plain_from_batch: must be in [1, 4096] (or null: never), "
                               f"got {self.plain_from_batch}")
+        if not 0 <= self.resume_limit <= 100:
+            raise ConfigError(f"{path}.resume_limit: must be in [0, 100], got {self.resume_limit}")
         if self.prefix_caching not in ("on", "off"):
             raise ConfigError(f"{path}.prefix_caching: must be one of on, off, got {self.prefix_caching!r}")
         if self.sampler not in ("batched", "reference"):

@@ -50,7 +50,7 @@ class Engine:
     def __init__(self, models: ModelSet, tokenizer: Tokenizer, *, default_strategy: str = "speculative",
                  defaults: dict[str, Any] | None = None, max_new_tokens_limit: int = 1024, rng_factory=Rng,
                  limits: Limits = Limits(), policy: SpeculationPolicy = SpeculationPolicy(),
-                 request_timeout_s: float | None = None, sampler: str = "batched"):
+                 request_timeout_s: float | None = None, sampler: str = "batched", resume_limit: int = 0):
         self.models: dict[str, BatchedHandle] = dict(models.handles)
         self.tokenizer, self.target = tokenizer, models.target
         self.default_strategy = default_strategy
@@ -62,6 +62,7 @@ class Engine:
         self.scheduler = Scheduler(limits)
         self.policy = policy
         self.request_timeout_s = request_timeout_s   # server-side deadline of every request (None: none)
+        self.resume_limit = resume_limit    # times a request whose target state was lost starts again (_suspend)
         self.health = ModelHealth(self.models)
         self._fallback = REGISTRY["autoregressive"]({}, self.models, self.target)   # target-only steps
         self._lock = threading.RLock()      # add/abort may come from other threads than step()
@@ -81,7 +82,8 @@ class Engine:
                    max_new_tokens_limit=spec.max_new_tokens_limit,
                    limits=Limits(spec.max_batch, spec.max_queue, budget),
                    policy=SpeculationPolicy(getattr(spec, "plain_from_batch", None)),
-                   request_timeout_s=spec.request_timeout_s, sampler=getattr(spec, "sampler", "batched"))
+                   request_timeout_s=spec.request_timeout_s, sampler=getattr(spec, "sampler", "batched"),
+                   resume_limit=getattr(spec, "resume_limit", 0))
 
     # -- admission ----------------------------------------------------------------------------------
     def prepare(self, req: GenerationRequest | PreparedRequest) -> PreparedRequest:
@@ -105,6 +107,8 @@ class Engine:
                           prediction=Prediction(req.prediction_ids, len(req.prompt_ids)) if req.prediction_ids else None,
                           batched=self.sampler == "batched")
         seq = Sequence(req, ctx, StopDecoder(self.tokenizer, req.stop), eos, sink, on_end)
+        if req.resumed:                  # a continuation: what an earlier run of it emitted is committed
+            seq.resume_from(req.resumed)
         if self.request_timeout_s is not None:
             seq.deadline = seq.t0 + self.request_timeout_s
         if self.target in self.health.down and not self.health.refresh() & {self.target}:
@@ -137,9 +141,9 @@ class Engine:
         """One engine step for every running request; returns the requests that ended in it.  Schedule (who
         stops, who joins and is prefilled), run every running request's strategy step with one batched call per
         model and round, postprocess (stop rules, chunks), release what ended."""
-        ended, joined = self._schedule(time.perf_counter())
         if self.health.down:             # probe: a model that is back is prefilled for the requests that draft
             self.health.refresh()
+        ended, joined = self._schedule(time.perf_counter())
         if joined:
             self._prefill(joined)
         running = self._runnable(ended)
@@ -160,7 +164,13 @@ class Engine:
                 self._fail(seq, DeadlineExceededError(f"request {seq.rid} ran past its deadline of "
                                                       f"{self.request_timeout_s:g}s"), finish="deadline")
                 ended.append(seq)
-            return ended, self.scheduler.schedule()
+            # while the target is down nobody joins: the requests it lost wait for it, at the head of the queue
+            return ended, [] if self.target_down else self.scheduler.schedule()
+
+    @property
+    def target_down(self) -> bool:
+        """The target does not answer: no step can run (the step loop waits for the health watchdog)."""
+        return self.target in self.health.down
 
     def _runnable(self, ended: list[Sequence]) -> list[Sequence]:
         """The running requests that step now; a request for prompt logprobs only is done once prefilled
@@ -192,6 +202,9 @@ class Engine:
             if not isinstance(out, BaseException):
                 out = seq.check_logprobs(out)
             if isinstance(out, BaseException):
+                if self._resumable(seq, out):
+                    self._suspend(seq)
+                    continue
                 self._fail(seq, out)
                 ended.append(seq)
                 continue
@@ -226,6 +239,28 @@ class Engine:
         for s in self.live():
             if name in s.req.strategy.roles():
                 s.stale.add(name)
+
+    def _resumable(self, seq: Sequence, error: BaseException) -> bool:
+        return isinstance(error, ModelUnavailableError) and self.target_down and seq.resumes < self.resume_limit
+
+    def _suspend(self, seq: Sequence) -> None:
+        """The target lost ``seq``'s state (its actor died or was replaced): release the request everywhere and
+        queue it, first in line, to start again from its committed tokens (prompt and every token emitted) once the
+        target answers.  Its next step starts where the lost one did, and every draw is a function of (seed, step
+        start, offset, purpose) (:class:`cluster.core.rejection.CounterDraws`), so the stream goes on exactly as
+        if nothing had happened: no token repeated or missing.  At most ``resume_limit`` times per request."""
+        seq.resumes += 1
+        log.warning("request %s lost its state on %s: resuming from %d tokens (%d of %d)", seq.rid, self.target,
+                    len(seq.ctx.tokens), seq.resumes, self.resume_limit)
+        for name in seq.req.strategy.roles():
+            try:
+                self.models[name].release(seq.rid)
+            except Exception:                            # noqa: BLE001 - a dead model holds nothing anyway
+                log.debug("release of %s on %s failed", seq.rid, name, exc_info=True)
+        seq.stale.clear()
+        seq.ctx.behind.clear()
+        with self._lock:
+            self.scheduler.requeue(seq)
 
     def _fail(self, seq: Sequence, error: BaseException, finish: str = "error") -> None:
         log.error("request %s failed: %s: %s", seq.rid, type(error).__name__, error)
@@ -274,17 +309,18 @@ class Engine:
             items = [s for s in items if s not in later]
             if not items:
                 continue
-            scored = [s for s in items if name == self.target and s.wants_prompt_logprobs] if names is None else []
+            scored = [s for s in items if name == self.target and s.wants_scores] if names is None else []
             try:
                 plain = [s for s in items if s not in scored]
                 hits = self.models[name].prefill_batch([_prefill_item(s) for s in plain])
                 if name == self.target and names is None and hits:     # the prefix cache's hits (usage)
                     for s, hit in zip(plain, hits):
-                        s.ctx.stats.cached_tokens = int(hit)
+                        if not s.resumes:
+                            s.ctx.stats.cached_tokens = int(hit)
                 if scored:          # the prompt's logprobs from the forward that fills the target's cache
                     rows = prefill_scored(self.models[name], [_prefill_item(s) for s in scored])
                     for s, logits in zip(scored, rows):
-                        s.set_prompt_logprobs(logits)
+                        s.set_scores(logits)
                 for s in items:
                     s.stale.discard(name)
                     s.ctx.behind.pop(name, None)         # prefilled with every committed token
@@ -292,7 +328,7 @@ class Engine:
                 self.model_down(name, e)
                 if name == self.target:                  # nothing can go on without it
                     for s in items:
-                        self._fail(s, e)
+                        self._suspend(s) if self._resumable(s, e) else self._fail(s, e)
             except Exception as e:                       # noqa: BLE001 - fails these requests only
                 for s in items:
                     self._fail(s, e)

@@ -55,6 +55,9 @@ class GenerationRequest:
     # vLLM's cache_salt: what the server keeps of this request (prefix cache blocks, the suffix drafter's index) is
     # shared only with requests of the same salt (None: no salt, shared with every request without one)
     cache_salt: str | None = None
+    # a continuation: the tokens an earlier run of this same request (same seed) already emitted; it goes on
+    # exactly as that run would have (docs/operator-guide.md, "Resumed streams"), counting them in its budget
+    resume_ids: list[int] | None = None
 
 
 @dataclass
@@ -110,6 +113,7 @@ class PreparedRequest:
     prompt_logprobs: int | None = None  # top-n per prompt token (None: no prompt logprobs)
     prediction_ids: tuple[int, ...] | None = None   # the tokenized predicted output (None: none)
     cache_salt: str | None = None      # GenerationRequest.cache_salt, checked
+    resumed: tuple[int, ...] = ()      # [R] GenerationRequest.resume_ids, checked (R < max_new_tokens)
 
     @property
     def strategy_name(self) -> str:

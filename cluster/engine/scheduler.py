@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.engine.sequence import FINISHED, RUNNING, Sequence
+from cluster.engine.sequence import FINISHED, RUNNING, WAITING, Sequence
 from cluster.errors import OverloadedError
 
 
@@ -65,6 +65,15 @@ class Scheduler:
             self.kv_reserved += seq.reserved_tokens
             joined.append(seq)
         return joined
+
+    def requeue(self, seq: Sequence) -> None:
+        """Put running ``seq`` back at the head of the queue (it lost its state: it joins again, first; an
+        admitted request is never refused for the queue's length)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv_reserved -= seq.reserved_tokens
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out (finished, failed or cancelled), waiting or running."""

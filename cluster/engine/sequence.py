@@ -11,6 +11,7 @@ from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.stats import RequestStats
 from cluster.engine.request import GenerationResult, PreparedRequest, StreamChunk
 from cluster.engine.stop import StopDecoder
+from cluster.errors import ParamError
 from cluster.strategies import StepContext
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -39,6 +40,7 @@ class Sequence:
     stale: set[str] = field(default_factory=set)   # models holding no state for it yet or any more (Engine._prefill)
     logprobs: list[TokenLogprob] | None = None      # aligned with ``generated`` when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None   # aligned with the prompt; [0] is None
+    resumes: int = 0                       # times it started again after the target lost its state
 
     def __post_init__(self):
         if self.req.logprobs is not None:
@@ -66,10 +68,31 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.req.prompt_logprobs is not None and self.prompt_logprobs is None
 
-    def set_prompt_logprobs(self, logits: torch.Tensor) -> None:
-        """From the target's raw logits ``[P-1, V]`` over the prompt (row i: the position of prompt token i+1)."""
-        ids = list(self.req.prompt_ids)
-        self.prompt_logprobs = [None] + token_logprobs(logits, ids[1:], self.req.prompt_logprobs)
+    @property
+    def wants_scores(self) -> bool:
+        """The target's prefill must score the committed tokens: for the prompt's logprobs, or for the logprobs of
+        the tokens a continuation resumes from."""
+        return self.wants_prompt_logprobs or (self.logprobs is not None and len(self.logprobs) < len(self.generated))
+
+    def set_scores(self, logits: torch.Tensor) -> None:
+        """From the target's raw logits ``[N-1, V]`` over the committed tokens (row i: the position of token i+1):
+        the prompt's logprobs when asked, and the resumed tokens' (what the first run streamed with them)."""
+        ids, n = self.ctx.tokens, len(self.req.prompt_ids)
+        if self.wants_prompt_logprobs:
+            self.prompt_logprobs = [None] + token_logprobs(logits[:n - 1], ids[1:n], self.req.prompt_logprobs)
+        if self.logprobs is not None and len(self.logprobs) < len(self.generated):
+            self.logprobs = token_logprobs(logits[n - 1:], ids[n:], self.req.logprobs)
+
+    def resume_from(self, ids: tuple[int, ...]) -> None:
+        """Continue a run that already emitted ``ids`` (their text was streamed): they are committed, counted in
+        the token budget and the usage, fed to the stop rules (a stop string may span the cut) and the grammar
+        (whose state is a function of the tokens), and scored at prefill when logprobs are asked."""
+        self.ctx.tokens.extend(ids)
+        self.generated = list(ids)
+        self.ctx.stats.generated_tokens = len(ids)
+        if self.decoder.push(list(ids))[1] is not None:
+            raise ParamError("resume_ids", "tokens that do not complete a stop string (that run ended there)",
+                             f"{len(ids)} tokens")
 
     def begin_step(self) -> None:
         self.ctx.budget = self.req.max_new_tokens - len(self.generated)

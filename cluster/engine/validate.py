@@ -79,8 +79,12 @@ def prepare(req: GenerationRequest, models: dict[str, BatchedHandle], tokenizer:
             raise ParamError(req.grammar.field, "strategies that sample a grammar's law exactly with it: " +
                              ", ".join(sorted(n for n, c in REGISTRY.items() if c.constrained)), f"strategy {name}")
         sampling = dataclasses.replace(sampling, constraint=req.grammar.start(len(ids)))
+    resumed = check_resume(req.resume_ids, max_new, vocab_size, None if req.ignore_eos else tokenizer.eos_token_id)
+    if resumed and req.seed is None and not sampling.greedy:
+        raise ParamError("seed", "the seed of the run it continues (set with resume_ids)", None)
     return PreparedRequest(req.request_id or uuid.uuid4().hex, tuple(ids), max_new, sampling, seed,
-                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction, salt)
+                           tuple(req.stop), req.ignore_eos, strategy, logprobs, prompt_logprobs, prediction, salt,
+                           resumed)
 
 
 def _too_long(n: int, max_len: int, max_new: int) -> ParamError:
@@ -110,6 +114,22 @@ def check_strategy(name: Any) -> str:
     if not isinstance(name, str) or name not in REGISTRY:
         raise ParamError("strategy", "one of " + ", ".join(sorted(REGISTRY)), name)
     return name
+
+
+def check_resume(ids: Any, max_new: int, vocab_size: int, eos: int | None) -> tuple[int, ...]:
+    """A continuation's emitted tokens (None or empty: a fresh request): fewer than ``max_new_tokens`` token ids,
+    without the end-of-text token (a run that emitted it, or its whole budget, had ended)."""
+    if not ids:
+        return ()
+    if not isinstance(ids, (list, tuple)) or len(ids) >= max_new:
+        raise ParamError("resume_ids", f"fewer token ids than the {max_new} new tokens asked for (a run that "
+                         "emitted them all had ended)", f"{len(ids)} ids" if isinstance(ids, (list, tuple)) else ids)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ParamError("resume_ids", f"token ids in [0, {vocab_size - 1}]", i)
+        if i == eos:
+            raise ParamError("resume_ids", "token ids without the end-of-text token (that run had ended)", i)
+    return tuple(ids)
 
 
 def check_cache_salt(salt: Any) -> str | None:

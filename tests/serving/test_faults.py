@@ -3,8 +3,10 @@
 Actors are killed by PID (SIGKILL, only processes this test's Ray started) while requests run:
 - a drafter or the Max-Gram drafter dies: its requests go on on the target alone with the same greedy output,
   Ray restarts the actor, the engine prefills it again and speculation resumes;
-- the target dies: in-flight requests fail with ModelUnavailableError (gRPC UNAVAILABLE) within seconds,
-  ``ready`` (health) turns false, Ray restarts the actor and the unit serves again with correct output.
+- the target dies (or one rank of a TP group): ``ready`` (health) turns false, Ray restarts the actor (the unit
+  rebuilds the group), and the in-flight requests resume from the tokens they emitted, each equal to its
+  uninterrupted twin token for token, greedy and seeded sampling (Engine._suspend); with
+  ``engine.resume_limit: 0`` they fail with ModelUnavailableError (gRPC UNAVAILABLE) within seconds instead.
 Recovery times are printed (``pytest -s``).  Synchronisation is by polling conditions with deadlines.
 """
 from __future__ import annotations
@@ -46,8 +48,8 @@ def unit():
     coord.shutdown()
 
 
-def _req(strategy, n=48, seed=0, **options):
-    return GenerationRequest(prompt_ids=PROMPT, max_new_tokens=n, sampling=SamplingParams(0.0), seed=seed,
+def _req(strategy, n=48, seed=0, temperature=0.0, **options):
+    return GenerationRequest(prompt_ids=PROMPT, max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed,
                              strategy=strategy, options=options, ignore_eos=True)
 
 
@@ -98,32 +100,58 @@ def test_dead_drafter_requests_continue_on_the_target(unit, victim, strategy):
     assert not any(ids for ids in coord.active_requests().values())
 
 
-def test_dead_target_fails_fast_and_the_unit_serves_again(unit):
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8,)], ids=["greedy-two", "sampled-alone"])
+def test_dead_target_requests_resume_exactly_and_the_unit_serves_again(unit, temperatures):
+    """Sampled rows are compared alone: their twin in a batch of other shapes may differ by a float rounding of the
+    batched forward (no kernel here is batch-invariant), which a resume cannot cause or prevent."""
     coord, local = unit
+    reqs = [_req("speculative", n=300, seed=i + 1, temperature=t) for i, t in enumerate(temperatures)]
+    want = [local.generate(r).token_ids for r in reqs]
     steps_before = coord.engine.steps
-    threads, results = _run_concurrently(coord, [_req("speculative", n=400, seed=i) for i in range(2)])
+    threads, results = _run_concurrently(coord, reqs)
     _poll(lambda: coord.engine.steps >= steps_before + 2, "the requests to be decoding")
     old = _pid(coord, "target")
     os.kill(old, signal.SIGKILL)
     t_kill = time.perf_counter()
+    _poll(lambda: not coord.ready, "health to say NOT_SERVING", timeout=10)
     for t in threads:
         t.join(DEADLINE_S)
-    failed_in = time.perf_counter() - t_kill
-    assert all(isinstance(r, ModelUnavailableError) for r in results), results
-    assert "retry" in str(results[0]) and "Traceback" not in str(results[0])
-    assert failed_in < 15.0
-    _poll(lambda: coord.ready and _pid(coord, "target") != old, "the target to be back")
-    recovered_in = time.perf_counter() - t_kill
+    done_in = time.perf_counter() - t_kill
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert [r.token_ids for r in results] == want            # resumed from what they emitted: exactly the twins
+    assert _pid(coord, "target") != old and coord.ready
     got = coord.generate_blocking(_req("speculative", seed=5), timeout=DEADLINE_S)
     assert got.token_ids == local.generate(_req("autoregressive", seed=5)).token_ids
-    print(f"\ntarget killed: in-flight requests failed with UNAVAILABLE after {failed_in:.1f}s; "
-          f"serving again after {recovered_in:.1f}s")
+    print(f"\ntarget killed: {len(reqs)} in-flight request(s) resumed and completed {done_in:.1f}s after the kill")
+    assert not any(ids for ids in coord.active_requests().values())
+
+
+def test_without_resuming_a_dead_target_fails_its_requests_fast(unit):
+    coord, _ = unit
+    coord.engine.resume_limit, limit = 0, coord.engine.resume_limit
+    try:
+        steps_before = coord.engine.steps
+        threads, results = _run_concurrently(coord, [_req("speculative", n=400, seed=i) for i in range(2)])
+        _poll(lambda: coord.engine.steps >= steps_before + 2, "the requests to be decoding")
+        old = _pid(coord, "target")
+        os.kill(old, signal.SIGKILL)
+        t_kill = time.perf_counter()
+        for t in threads:
+            t.join(DEADLINE_S)
+        failed_in = time.perf_counter() - t_kill
+        assert all(isinstance(r, ModelUnavailableError) for r in results), results
+        assert "retry" in str(results[0]) and "Traceback" not in str(results[0])
+        assert failed_in < 15.0
+        _poll(lambda: coord.ready and _pid(coord, "target") != old, "the target to be back")
+    finally:
+        coord.engine.resume_limit = limit
+    print(f"\ntarget killed, resume_limit 0: in-flight requests failed with UNAVAILABLE after {failed_in:.1f}s")
     assert not any(ids for ids in coord.active_requests().values())
 
 
 def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
-    """Killing one rank of a TP=2 target: in-flight requests get UNAVAILABLE within seconds, health says
-    NOT_SERVING, the unit kills the rest of the group, starts a new one and serves the same greedy output."""
+    """Killing one rank of a TP=2 target: health says NOT_SERVING, the unit kills the rest of the group, starts a
+    new one, and the in-flight requests resume on it, each equal to its uninterrupted twin."""
     from cluster.config.schema import config_from_dict
     from cluster.serving.control.coordinator import Coordinator
     from tests.support.checkpoints import write_tiny_checkpoints
@@ -135,11 +163,12 @@ def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
         coord.warmup(2)
         local = engine_for(cfg)
         want = local.generate(_req("speculative", n=24, seed=3, drafter="drafter")).token_ids
+        reqs = [_req("speculative", n=200, seed=i, drafter="drafter") for i in range(2)]
+        twins = [local.generate(r).token_ids for r in reqs]
         old = coord.entries["target"].handle.channel.actors
         rank1 = ray.get(old[1].__ray_call__.remote(lambda self: os.getpid()), timeout=30)
         steps_before = coord.engine.steps
-        threads, results = _run_concurrently(coord, [_req("speculative", n=400, seed=i, drafter="drafter")
-                                                     for i in range(2)])
+        threads, results = _run_concurrently(coord, reqs)
         _poll(lambda: coord.engine.steps >= steps_before + 2, "the requests to be decoding")
         os.kill(rank1, signal.SIGKILL)
         t_kill = time.perf_counter()
@@ -147,17 +176,16 @@ def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
         not_serving_in = time.perf_counter() - t_kill
         for t in threads:
             t.join(DEADLINE_S)
-        failed_in = time.perf_counter() - t_kill
-        assert all(isinstance(r, ModelUnavailableError) for r in results), results
-        assert failed_in < 15.0
+        done_in = time.perf_counter() - t_kill
+        assert [getattr(r, "token_ids", r) for r in results] == twins      # resumed on the new group, exactly
         _poll(lambda: coord.ready, "the rebuilt group to serve")
         recovered_in = time.perf_counter() - t_kill
         new = coord.entries["target"].handle.channel.actors
         assert len(new) == 2 and not set(map(id, new)) & set(map(id, old))     # a whole new group
         got = coord.generate_blocking(_req("speculative", n=24, seed=3, drafter="drafter"), timeout=DEADLINE_S)
         assert got.token_ids == want
-        print(f"\nTP rank killed: NOT_SERVING after {not_serving_in:.1f}s, in-flight requests UNAVAILABLE after "
-              f"{failed_in:.1f}s, group rebuilt and serving after {recovered_in:.1f}s")
+        print(f"\nTP rank killed: NOT_SERVING after {not_serving_in:.1f}s, in-flight requests resumed and done "
+              f"after {done_in:.1f}s, group rebuilt and serving after {recovered_in:.1f}s")
         assert not any(ids for ids in coord.active_requests().values())
     finally:
         coord.shutdown()

@@ -85,3 +85,21 @@ def test_grpc_cache_salt_is_carried_and_leaves_the_output_unchanged(tiny_engine)
         assert ctx.code is None
         out[salt] = list(r.token_ids)
     assert out["tenant-a"] == out[None] and len(out[None]) == 6
+
+
+def test_grpc_resume_token_ids_continue_a_stream_exactly(tiny_engine):
+    """``GenerateRequest.resume_token_ids``: a sampled stream cut after its second chunk and sent again with the ids
+    it delivered goes on with exactly the chunks that followed; a bad one is INVALID_ARGUMENT naming the field."""
+    d = _deployment(tiny_engine)
+    kw = dict(max_new_tokens=24, temperature=0.8, seed=4, ignore_eos=True, strategy="speculative")
+
+    async def chunks(m):
+        return [c async for c in d.GenerateStream(m, Context())]
+    whole = asyncio.run(chunks(SpecServeClient.request("def f(x):", **kw)))
+    cut = [t for c in whole[:2] for t in c.token_ids]
+    rest = asyncio.run(chunks(SpecServeClient.request("def f(x):", resume_token_ids=cut, **kw)))
+    assert cut + [t for c in rest for t in c.token_ids] == list(whole[-1].result.token_ids)
+    assert rest[-1].result.text == whole[-1].result.text and rest[-1].result.stats.generated_tokens == 24
+    ctx = Context()
+    asyncio.run(d.Generate(SpecServeClient.request("x", resume_token_ids=[1] * 24, **kw), ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith("invalid resume_token_ids: ")

@@ -168,3 +168,23 @@ def test_cache_salt_is_accepted_and_bad_ones_are_400_naming_it(app, path, base):
         r = _post(a, path, {**base, "cache_salt": bad})
         err = r.json()["error"]
         assert r.status == 400 and err["param"] == "cache_salt" and "256 characters" in err["message"], (bad, err)
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_resume_token_ids_continue_a_request_exactly_and_bad_ones_are_400(app, path, base):
+    """``resume_token_ids`` on both endpoints: the tokens an earlier run emitted; the answer is the whole request's
+    (its ids, text and usage), equal to the uninterrupted one (greedy: cut anywhere; a sampled request is cut at a
+    chunk boundary, tests/engine/test_resume.py)."""
+    a, _ = app
+    body = dict(base)
+    whole = _post(a, path, body).json()
+    ids = whole["specserve"]["token_ids"]
+    got = _post(a, path, {**body, "resume_token_ids": ids[:9]}).json()
+    assert got["specserve"]["token_ids"] == ids and got["usage"]["completion_tokens"] == len(ids)
+    assert got["choices"][0] == whole["choices"][0]
+    for bad, said in ((ids, "fewer token ids than the 24 new tokens"), ([-1], "token ids in"), ("1,2", "resume_token_ids")):
+        r = _post(a, path, {**body, "resume_token_ids": bad})
+        err = r.json()["error"]
+        assert r.status == 400 and err["param"] == "resume_token_ids" and said in err["message"], (bad, err)
+    r = _post(a, path, {**body, "temperature": 0.8, "seed": None, "resume_token_ids": ids[:2]})
+    assert r.status == 400 and r.json()["error"]["param"] == "seed"

@@ -1,6 +1,8 @@
-"""A Serve replica (a whole serving unit's coordinator) killed by PID under load: its clients get a clean
-``UNAVAILABLE`` (no pid, node address or Ray text), Serve starts a new replica, and it serves the same greedy
-output.  Runs a second application ("victim") on the session's Serve instance, so the shared app is untouched.
+"""A Serve replica (a whole serving unit's coordinator) killed by PID under load: a client that does not resume
+gets a clean ``UNAVAILABLE`` (no pid, node address or Ray text); the SDK's resuming stream and unary call wait
+for the replica Serve starts instead and complete, each equal to its uninterrupted twin token for token (seeded
+sampling), the stream with every token once.  Runs a second application ("victim") on the session's Serve
+instance, so the shared app is untouched.
 """
 from __future__ import annotations
 
@@ -51,51 +53,47 @@ def victim(served):
     serve.delete(APP)
 
 
-def test_killed_replica_gives_unavailable_and_serve_restarts_it(victim, tiny_engine):
+def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
     cfg, c = victim
-    errors: list = []
+    plain = SpecServeClient(c.address, app=APP, timeout=120, resume=0)
+    kw = dict(prompt=PROMPT, max_new_tokens=400, ignore_eos=True, strategy="autoregressive", temperature=0.8)
+    out: dict = {}
 
     def hold(kind: str) -> None:
-        kw = dict(prompt=PROMPT, max_new_tokens=512, ignore_eos=True, strategy="autoregressive")
         try:
-            if kind == "stream":
-                for _ in c.stream(**kw):
-                    pass
+            if kind == "unary":
+                out[kind] = list(c.generate(seed=2, **kw).token_ids)
             else:
-                c.generate(**kw)
-            errors.append(None)
-        except grpc.RpcError as e:
-            errors.append(e)
+                call = (plain if kind == "plain" else c).stream(seed=1, **kw)
+                ids, last = [], None
+                for last in call:
+                    ids.extend(last.token_ids)
+                out[kind] = (ids, list(last.result.token_ids), getattr(call, "resumed", 0))
+        except Exception as e:                  # noqa: BLE001 - the test inspects it
+            out[kind] = e
 
-    threads = [threading.Thread(target=hold, args=(k,)) for k in ("stream", "unary")]
+    threads = [threading.Thread(target=hold, args=(k,)) for k in ("plain", "stream", "unary")]
     for t in threads:
         t.start()
-    poll(lambda: len(c.server_info().live_requests) == 2, "both requests to be running")
+    poll(lambda: len(c.server_info().live_requests) == 3, "the three requests to be running")
     old = _replica_pid()
     os.kill(old, signal.SIGKILL)
     t_kill = time.perf_counter()
     for t in threads:
-        t.join(90)
-    failed_in = time.perf_counter() - t_kill
-    assert len(errors) == 2 and all(e is not None for e in errors), errors
-    for e in errors:
-        assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
-        assert e.details() == REPLICA_LOST
-        assert not re.search(r"\d+\.\d+\.\d+\.\d+|pid|Traceback|actor", e.details(), re.I)
-
-    quick = SpecServeClient(c.address, app=APP, timeout=5)
-
-    def serving_again() -> bool:
-        try:
-            return quick.health() == "SERVING" and _replica_pid() != old
-        except (grpc.RpcError, AssertionError, ray.exceptions.RayError):
-            return False
-    poll(serving_again, "Serve to start a new replica", timeout=180)
-    recovered_in = time.perf_counter() - t_kill
-    quick.close()
-    got = c.generate(prompt_ids=list(PROMPT.encode()), max_new_tokens=16, strategy="speculative", temperature=0.0)
-    want = tiny_engine.generate(GenerationRequest(prompt_ids=list(PROMPT.encode()), max_new_tokens=16,
-                                                  sampling=SamplingParams(0.0), strategy="autoregressive"))
-    assert list(got.token_ids) == want.token_ids
-    print(f"\nServe replica killed: clients got UNAVAILABLE after {failed_in:.1f}s; a new replica served "
-          f"after {recovered_in:.1f}s")
+        t.join(150)
+    done_in = time.perf_counter() - t_kill
+    plain.close()
+    assert set(out) == {"plain", "stream", "unary"}, (out, done_in)
+    e = out["plain"]
+    assert isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE, e
+    assert e.details() == REPLICA_LOST
+    assert not re.search(r"\d+\.\d+\.\d+\.\d+|pid|Traceback|actor", e.details(), re.I)
+    twin = {seed: tiny_engine.generate(GenerationRequest(prompt=PROMPT, max_new_tokens=400, ignore_eos=True,
+                                                         sampling=SamplingParams(0.8), seed=seed,
+                                                         strategy="autoregressive")).token_ids for seed in (1, 2)}
+    streamed, result, resumed = out["stream"]
+    assert resumed == 1 and streamed == result == twin[1]       # every token once, in order, as uninterrupted
+    assert out["unary"] == twin[2]
+    assert _replica_pid() != old
+    print(f"\nServe replica killed: the non-resuming client got UNAVAILABLE; the resumed stream and the re-sent "
+          f"unary request completed {done_in:.1f}s after the kill, equal to their twins")

@@ -68,7 +68,6 @@ class _Req:
     seq: list[int]                          # committed tokens, as the engine told us
     sampling: SamplingParams
     seed: int
-    rng: Rng
     last: list[int] = field(default_factory=list)    # the block last answered (not committed)
     held: dict[str, list[int]] = field(default_factory=dict)   # drafter -> tokens it holds
     agreed: dict[str, int] = field(default_factory=dict)       # drafter -> prefix known equal to seq
@@ -121,7 +120,7 @@ class DraftSide(BatchedHandle):
         for item in items:
             rid, ids, sampling, seed, salt = PrefillItem.of(item)
             self.release(rid)
-            self._reqs[rid] = _Req(list(ids), sampling, seed, self.rng_factory(derive_seed(seed, DRAFTS)), salt=salt)
+            self._reqs[rid] = _Req(list(ids), sampling, seed, salt=salt)
 
     def score_batch(self, items) -> list:
         """The draft side drafts blocks (``draft_batch``); a strategy scores on one drafter, its member."""
@@ -254,7 +253,11 @@ class DraftSide(BatchedHandle):
         for run in runs:
             if run.key not in failed:
                 st = self._reqs[run.rid]
-                dcs[run.key] = dc = DraftCtx(run.rid, self.members, st.sampling, st.rng, self._syncer(st, run.rid),
+                # the block's own draws (a cascade's internal reviews) from (seed, where it starts): a function of
+                # the position, not of what was drawn before, so a pre-drafted block, a synchronous one and a
+                # resumed request's draw the same
+                rng = self.rng_factory(derive_seed(st.seed, DRAFTS, str(len(run.work))))
+                dcs[run.key] = dc = DraftCtx(run.rid, self.members, st.sampling, rng, self._syncer(st, run.rid),
                                              self._holder(st), committed=st.seq, alts=self.alts)
                 gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=bool(stop or race))
                 rids[run.key] = run.rid

@@ -9,12 +9,20 @@
         print(chat.text, [(t.token_id, t.logprob) for t in chat.logprobs])
         for chunk in c.stream("import os", max_new_tokens=16):
             print(chunk.text, end="", flush=True)
+
+A stream whose serving unit is lost after it delivered tokens (``UNAVAILABLE``: a replica's node gone, a unit
+drained) is resumed on another unit from the tokens it delivered (``resume_token_ids``, same seed): the chunks
+go on exactly as the uninterrupted stream's would have, every token once, in order, at most ``resume`` times per
+request and within its one deadline.  A unary request is sent again whole, with the same seed: the same answer.
+A request without a seed gets one here, so either is exact for sampled requests too.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
+import time
 from typing import Iterator
 
 import grpc
@@ -25,6 +33,11 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pbg
 
 API_KEY_ENV, OPERATOR_KEY_ENV = "SPECSERVE_API_KEY", "SPECSERVE_OPERATOR_KEY"
+# a lost unit's requests wait for another (its replacement starting) with these pauses between tries that were
+# refused before any token, at most MAX_IDLE_TRIES tries in a row (about half a minute, on top of the channel's
+# own retries), and never past the request's deadline
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+MAX_IDLE_TRIES = 10
 
 
 def _credentials(ca: str | None) -> grpc.ChannelCredentials:
@@ -44,8 +57,8 @@ class SpecServeClient:
 
     def __init__(self, address: str = "127.0.0.1:9000", *, app: str | None = "specserve",
                  timeout: float | None = DEFAULT_TIMEOUT_S, api_key: str | None = None, tls: bool = False,
-                 ca: str | None = None, retry: bool = True):
-        self.address, self.timeout = address, timeout
+                 ca: str | None = None, retry: bool = True, resume: int = 3):
+        self.address, self.timeout, self.resume = address, timeout, resume
         self.options = channel_options(retry)     # UNAVAILABLE retried while uncommitted (client_policy)
         if ca is not None and not tls:
             raise ParamError("ca", "only with tls=True (--tls)", ca)
@@ -66,7 +79,7 @@ class SpecServeClient:
                 logprobs: int | None = None, prompt_logprobs: int | None = None, prediction: str | None = None,
                 chat_template_kwargs: dict | None = None, tools=None, tool_choice: str = "",
                 parallel_tool_calls: bool | None = None, response_format=None,
-                cache_salt: str | None = None) -> pb.GenerateRequest:
+                cache_salt: str | None = None, resume_token_ids=None) -> pb.GenerateRequest:
         """A GenerateRequest; ``None`` leaves a field unset (the server's config default).  ``messages``: a
         chat, ``[{"role": ..., "content": ...}]`` (``tool_calls``: ``[{"id", "name", "arguments"}]``), rendered
         with the served model's chat template (with the extra variables ``chat_template_kwargs``); ``tools`` /
@@ -78,7 +91,8 @@ class SpecServeClient:
                                messages=[pb.ChatMessage(**x) for x in messages or ()],
                                chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
                                tools_json=json.dumps(tools) if tools else "", tool_choice=tool_choice,
-                               response_format_json=json.dumps(response_format) if response_format else "")
+                               response_format_json=json.dumps(response_format) if response_format else "",
+                               resume_token_ids=list(resume_token_ids or []))
         if parallel_tool_calls is not None:
             m.parallel_tool_calls = parallel_tool_calls
         for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -89,12 +103,30 @@ class SpecServeClient:
                 setattr(m, name, value)
         return m
 
-    def generate(self, prompt: str | None = None, **kw) -> pb.GenerateResponse:
-        return self.stub.Generate(self.request(prompt, **kw), metadata=self.metadata, timeout=self.timeout)
+    def _seeded(self, prompt, kw) -> pb.GenerateRequest:
+        m = self.request(prompt, **kw)
+        if not m.HasField("seed"):              # the server's seed would be lost with the unit: choose it here
+            m.seed = random.getrandbits(63)
+        return m
 
-    def stream(self, prompt: str | None = None, **kw) -> Iterator[pb.GenerateChunk]:
-        """Chunks as they are produced; call ``.cancel()`` on the returned iterator to stop early."""
-        return self.stub.GenerateStream(self.request(prompt, **kw), metadata=self.metadata, timeout=self.timeout)
+    def generate(self, prompt: str | None = None, **kw) -> pb.GenerateResponse:
+        """One request; sent again whole (same seed: the same answer) when its unit is lost while it runs."""
+        m, end = self._seeded(prompt, kw), _deadline(self.timeout)
+        tries = MAX_IDLE_TRIES if self.resume else 1
+        for attempt in range(tries):
+            try:
+                return self.stub.Generate(m, metadata=self.metadata, timeout=_left(end))
+            except grpc.RpcError as e:
+                wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1 or \
+                        (end is not None and time.monotonic() + wait >= end):
+                    raise
+                time.sleep(wait)
+
+    def stream(self, prompt: str | None = None, **kw) -> "ResumingStream":
+        """Chunks as they are produced, resumed where a lost unit broke them (module docstring); call
+        ``.cancel()`` on the returned iterator to stop early."""
+        return ResumingStream(self, self._seeded(prompt, kw))
 
     def server_info(self) -> pb.ServerInfoResponse:
         return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=self.metadata, timeout=self.timeout)
@@ -120,6 +152,63 @@ class SpecServeClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ResumingStream:
+    """The chunks of one GenerateStream.  On ``UNAVAILABLE`` the request is sent again with the tokens delivered so
+    far as ``resume_token_ids`` (none yet: as it was): at most ``client.resume`` times after a try that delivered
+    tokens; a try refused before any token (no unit up yet: the lost one's replacement starting) is repeated with
+    backoff until the request's deadline."""
+
+    def __init__(self, client: SpecServeClient, m: pb.GenerateRequest):
+        self.client, self.m, self.end = client, m, _deadline(client.timeout)
+        self.ids: list[int] = list(m.resume_token_ids)
+        self.resumed = 0                         # times the stream was resumed after delivering tokens
+        self._call, self._since = self._start(), len(self.ids)
+
+    def _start(self):
+        m = pb.GenerateRequest()
+        m.CopyFrom(self.m)
+        m.resume_token_ids[:] = self.ids
+        return self.client.stub.GenerateStream(m, metadata=self.client.metadata, timeout=_left(self.end))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> pb.GenerateChunk:
+        idle = 0                                 # tries in a row that delivered nothing
+        while True:
+            try:
+                chunk = next(self._call)
+            except grpc.RpcError as e:
+                progressed = len(self.ids) > self._since
+                if e.code() != grpc.StatusCode.UNAVAILABLE or self.client.resume == 0 or \
+                        (progressed and self.resumed >= self.client.resume):
+                    raise
+                if progressed:
+                    self.resumed += 1
+                else:                            # wait for a unit, within the deadline
+                    wait = BACKOFF_S[min(idle, len(BACKOFF_S) - 1)]
+                    if idle + 1 >= MAX_IDLE_TRIES or (self.end is not None and time.monotonic() + wait >= self.end):
+                        raise
+                    time.sleep(wait)
+                    idle += 1
+                self._call, self._since = self._start(), len(self.ids)
+                continue
+            self.ids.extend(chunk.token_ids)
+            return chunk
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(end: float | None) -> float | None:
+    """Seconds left before ``end`` (every try of a request within its one deadline)."""
+    return None if end is None else max(0.001, end - time.monotonic())
 
 
 def main_client(args) -> int:

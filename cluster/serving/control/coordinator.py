@@ -108,6 +108,8 @@ class Coordinator:
             with self._wake:
                 while not self._stopped and not self.engine.has_work:
                     self._wake.wait()
+                if self.engine.target_down and not self._stopped:   # its requests wait for it: no step can
+                    self._wake.wait(1.0)                             # run, until the watchdog's next round
                 if self._stopped:
                     return
             started = time.perf_counter()

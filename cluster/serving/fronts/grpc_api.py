@@ -66,6 +66,7 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
     for name, n, cap, what in (("prompt_ids", len(m.prompt_ids), MAX_PROMPT_IDS, "token ids"),
                                ("prompt", len(m.prompt), MAX_PROMPT_CHARS, "characters"),
                                ("prediction", len(m.prediction), MAX_PROMPT_CHARS, "characters"),
+                               ("resume_token_ids", len(m.resume_token_ids), MAX_PROMPT_IDS, "token ids"),
                                ("stop", len(m.stop), MAX_STOP_STRINGS, "strings"),
                                ("options", len(m.options), MAX_OPTIONS, "options"),
                                ("messages", len(m.messages), MAX_MESSAGES, "messages")):
@@ -81,6 +82,7 @@ def fields_from_proto(m: pb.GenerateRequest) -> Fields:
     return Fields(prompt=m.prompt or None, prompt_ids=list(m.prompt_ids) or None, messages=messages,
                   stop=tuple(m.stop), strategy=m.strategy or None, options=dict(m.options),
                   ignore_eos=m.ignore_eos, request_id=m.request_id or None,
+                  resume_ids=list(m.resume_token_ids) or None,
                   template_kwargs=template_kwargs_json(m.chat_template_kwargs), structured=spec, **opt)
 
 

@@ -63,6 +63,9 @@ class OpenAIRequest(BaseModel):
     prediction: Any = Field(None, description=PREDICTION_ALLOWED)
     cache_salt: str | None = Field(None, description=f"null or text of 1 to {MAX_CACHE_SALT} characters (vLLM's: "
                                    "what is cached for the request is shared only with requests of the same salt)")
+    resume_token_ids: list[int] | None = Field(None, description="null or fewer token ids than max_tokens: what an "
+                                               "earlier run of this same request (same seed) emitted; it goes on "
+                                               "from there exactly")
     _usage: tuple[bool, bool] = PrivateAttr((False, False))
 
     @model_validator(mode="after")
@@ -80,7 +83,8 @@ class OpenAIRequest(BaseModel):
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     seed=self.seed, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                     strategy=self.strategy, options=self.options or {}, ignore_eos=bool(self.ignore_eos),
-                    model=self.model, prediction=prediction_text(self.prediction), cache_salt=self.cache_salt)
+                    model=self.model, prediction=prediction_text(self.prediction), cache_salt=self.cache_salt,
+                    resume_ids=self.resume_token_ids)
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -46,6 +46,7 @@ class Fields:
     prediction: str | None = None          # predicted output text (OpenAI's prediction.content)
     template_kwargs: dict | None = None    # chat: extra chat-template variables (chat_template_kwargs)
     cache_salt: str | None = None          # vLLM's cache_salt (None: no salt)
+    resume_ids: list[int] | None = None    # a continuation: the tokens an earlier run of the request emitted
 
 
 def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
@@ -75,7 +76,8 @@ def build_request(cfg: Config, f: Fields, tokenizer=None) -> GenerationRequest:
                              max_new_tokens=_or(f.max_new_tokens, gen.max_new_tokens), stop=tuple(f.stop),
                              strategy=f.strategy, options=dict(f.options), ignore_eos=f.ignore_eos,
                              request_id=f.request_id, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
-                             prediction=f.prediction, grammar=grammar, cache_salt=f.cache_salt)
+                             prediction=f.prediction, grammar=grammar, cache_salt=f.cache_salt,
+                             resume_ids=f.resume_ids)
 
 
 def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:
@@ -85,7 +87,8 @@ def prepare(coord, cfg: Config, f: Fields) -> PreparedRequest:
         tokenizer = coord.engine.tokenizer if f.messages is not None or f.structured is not None else None
         return coord.prepare(build_request(cfg, f, tokenizer))
     except ParamError as e:
-        name = "messages" if f.messages is not None and e.name == "prompt" else f.names.get(e.name)
+        name = "messages" if f.messages is not None and e.name == "prompt" else \
+            "resume_token_ids" if e.name == "resume_ids" else f.names.get(e.name)
         if name is None:
             raise
         raise ParamError(name, e.allowed, e.value) from None
