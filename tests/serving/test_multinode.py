@@ -41,6 +41,7 @@ def _config(**placement) -> dict:
     cl.update(grpc_port=_free_port(), http_port=_free_port(), proxy_location="HeadOnly")
     cl["coordinator"] = {"num_cpus": 0.1, "resources": {"node_a": 0.01}}
     cl["drafters"] = {"num_cpus": 0.1, "resources": {placement.get("drafters", "node_b"): 0.01}}
+    cfg["engine"].update(max_batch=16, max_queue=8)      # the load's 4 clients and 8 resumable streams at once
     return cfg
 
 
@@ -126,13 +127,40 @@ def test_drafter_node_loss_under_load(cluster, reference):
     assert resumed - back < 30
 
 
+def _stream(client, prompt: str, temperature: float, seed: int, out: dict, started: set) -> None:
+    """A resuming SDK stream (cluster/serving/client/sdk.py) -> out[(prompt, seed)] = (streamed ids, result ids,
+    times resumed) or the exception; ``started`` gets its key once it delivered a chunk."""
+    try:
+        call = client.stream(prompt, max_new_tokens=STREAM_NEW, temperature=temperature, seed=seed,
+                             strategy="autoregressive", ignore_eos=True)
+        ids, last = [], None
+        for last in call:
+            ids.extend(last.token_ids)
+            started.add((prompt, seed))
+        out[(prompt, seed)] = (ids, list(last.result.token_ids), call.resumed)
+    except Exception as e:                      # noqa: BLE001 - the test inspects it
+        out[(prompt, seed)] = e
+
+
 def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
-    """Last (it kills node_a): the node with the coordinator and its target dies under 4 clients; the clients
-    see UNAVAILABLE only (retryable), the first within 1 s (issue 22); once a node offers node_a again Serve
-    rebuilds the unit and the same greedy outputs come back."""
+    """Last (it kills node_a): the node with the coordinator and its target dies under 4 clients that do not
+    resume and 8 SDK streams that do.  The first see UNAVAILABLE only (retryable), the first within 1 s (issue
+    22); once a node offers node_a again Serve rebuilds the unit and the same greedy outputs come back.  The 8
+    streams (4 greedy, 4 seeded at T = 0.8) wait for the new unit and resume there from what they delivered:
+    8 of 8 complete, every token once, in order, each equal to its uninterrupted twin (in-process)."""
+    import threading
     mn, cfg, _ = cluster
-    with Load(f"127.0.0.1:{cfg['cluster']['grpc_port']}", PROMPTS, MAX_NEW) as load:
+    address = f"127.0.0.1:{cfg['cluster']['grpc_port']}"
+    resuming = SpecServeClient(address, timeout=400)
+    streams = [(p, 0.0 if i < 4 else 0.8, 10 + i) for i, p in enumerate((PROMPTS * 2)[:8])]
+    out: dict = {}
+    started: set = set()
+    threads = [threading.Thread(target=_stream, args=(resuming, *s, out, started)) for s in streams]
+    with Load(address, PROMPTS, MAX_NEW) as load:
         poll(lambda: len(load.results) >= 4, "4 completions before the kill", 60)
+        for t in threads:
+            t.start()
+        poll(lambda: len(started) == 8, "the 8 streams to be delivering", 60)
         killed, killed_wall = time.monotonic(), time.time()
         mn.kill_node("node_a")
         poll(lambda: load.failures, "a failure after the target's node died", 30)
@@ -140,10 +168,19 @@ def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
         back = time.monotonic()
         mn.add_worker("node_a2", resource="node_a")
         served = poll(lambda: min(load.after(back), default=None), "serving again", 180)
+        for t in threads:
+            t.join(400)
+    done = time.monotonic() - killed
+    resuming.close()
     codes = sorted({c for _, c in load.failures})
+    twins = _twins(streams)
+    equal = sum(isinstance(o, tuple) and o[1] == twins[(p, seed)] for (p, seed), o in out.items())
     print(f"target node loss (killed at {killed_wall:.3f}, Ray logs in {mn.temp}): "
           f"{len(load.failures)} failures {codes}, the first {first_failure:.2f}s after the kill; "
-          f"serving again {served - back:.1f}s after the new node started; {len(load.results)} completions")
+          f"serving again {served - back:.1f}s after the new node started; {len(load.results)} completions; "
+          f"resumed streams: {sum(isinstance(o, tuple) for o in out.values())} of 8 complete, {equal} equal to "
+          f"their twins, resumed {[o[2] for o in out.values() if isinstance(o, tuple)]} times, all done "
+          f"{done:.1f}s after the kill")
     assert codes == ["UNAVAILABLE"], codes
     # The proxy's call to the replica fails as soon as its connection breaks, since the nodes run with
     # RAY_timeout_ms_task_wait_for_death_info=0 (cluster/serving/ops/ray_node.py): measured 0.06-0.08 s; with
@@ -151,3 +188,18 @@ def test_target_node_loss_is_unavailable_then_serves_again(cluster, reference):
     # 12-15 s after the kill (its health checks), so this does not wait for that.
     assert first_failure <= 1.0
     assert all(toks == reference[p] for _, p, toks, _ in load.results)
+    assert all(isinstance(o, tuple) for o in out.values()) and len(out) == 8, out
+    for key, (ids, result, resumed) in out.items():
+        assert ids == result and resumed >= 1, key         # every token once, in order; it did resume
+    assert equal == 8
+
+
+STREAM_NEW = 400
+
+
+def _twins(streams) -> dict:
+    """Each stream's uninterrupted run, in-process."""
+    engine = build_engine(config_from_dict(yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())))
+    return {(p, seed): list(engine.generate(GenerationRequest(
+        prompt=p, max_new_tokens=STREAM_NEW, sampling=SamplingParams(t), seed=seed, strategy="autoregressive",
+        ignore_eos=True)).token_ids) for p, t, seed in streams}

@@ -97,3 +97,56 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
     assert _replica_pid() != old
     print(f"\nServe replica killed: the non-resuming client got UNAVAILABLE; the resumed stream and the re-sent "
           f"unary request completed {done_in:.1f}s after the kill, equal to their twins")
+
+
+def test_a_removed_unit_moves_its_streams_to_the_other(served, tiny_engine):
+    """Drain: a two-unit application scaled down to one unit (a downscale, as the autoscaler or a rolling update
+    removes a unit) with ``drain_timeout_s: 1``: the removed unit's streams break once the drain time is up and
+    the SDK resumes them on the remaining unit; all four complete, every token once, equal to their twins."""
+    from ray import serve
+
+    from cluster.serving.fronts.app import build_app
+    cfg, _ = served
+    two = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, app_name="drain", replicas=2,
+                                                               drain_timeout_s=1.0))
+    serve.run(build_app(two), name="drain", route_prefix="/drain")
+    c = SpecServeClient(f"127.0.0.1:{cfg.cluster.grpc_port}", app="drain", timeout=300)
+    try:
+        c.wait_ready(300)
+        kw = dict(prompt=PROMPT, max_new_tokens=500, ignore_eos=True, strategy="autoregressive", temperature=0.8)
+        out: dict = {}
+        started: set = set()
+
+        def hold(seed: int) -> None:
+            try:
+                call = c.stream(seed=seed, **kw)
+                ids, last = [], None
+                for last in call:
+                    ids.extend(last.token_ids)
+                    started.add(seed)
+                out[seed] = (ids, list(last.result.token_ids), call.resumed)
+            except Exception as e:              # noqa: BLE001 - the test inspects it
+                out[seed] = e
+
+        threads = [threading.Thread(target=hold, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        poll(lambda: len(started) == 4, "the four streams to be delivering")
+        serve.run(build_app(dataclasses.replace(two, cluster=dataclasses.replace(two.cluster, replicas=1))),
+                  name="drain", route_prefix="/drain")
+        for t in threads:
+            t.join(300)
+        twin = {seed: tiny_engine.generate(GenerationRequest(prompt=PROMPT, max_new_tokens=500, ignore_eos=True,
+                                                             sampling=SamplingParams(0.8), seed=seed,
+                                                             strategy="autoregressive")).token_ids
+                for seed in range(4)}
+        assert all(isinstance(o, tuple) for o in out.values()) and len(out) == 4, out
+        for seed, (ids, result, _) in out.items():
+            assert ids == result == twin[seed], seed
+        moved = sum(o[2] for o in out.values())
+        assert moved >= 1                      # the removed unit held some: they moved instead of holding it up
+        print(f"\ndownscale from 2 units to 1: {moved} of 4 streams moved to the remaining unit, all equal to "
+              f"their twins")
+    finally:
+        c.close()
+        serve.delete("drain")
