@@ -21,6 +21,7 @@ ROWS = ["autoregressive", "speculative", "cs_drafting"]
 TOPOLOGIES = ("separated", "colocated", "speculator")
 
 
+@pytest.mark.slow      # ~75 s (the default run's 15 minutes); the suite's parts are tested one by one here
 def test_served_suite_end_to_end(tmp_path):
     assert SUITES["served"] is served.run
     cmd = [sys.executable, "-m", "cluster.cli.main", "bench", "--config", "configs/tiny.yaml", "--suite", "served",

@@ -107,6 +107,7 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow      # ~50 s (a whole `up` started and stopped); the slow suite's
 def test_down_stops_an_attached_up(tmp_path):
     with Up(tmp_path) as up:
         up.start()

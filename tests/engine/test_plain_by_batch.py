@@ -21,7 +21,9 @@ OPTIONS = {"speculative": {"drafter": "large", "k": 2},
            "cs_drafting": {"drafters": "large,small", "kmatrix": "1,1;0,2"}}
 
 
-@pytest.mark.parametrize("strategy,steps_before", [("speculative", 2), ("cs_drafting", 1), ("speculative", 0)])
+@pytest.mark.parametrize("strategy,steps_before", [
+    ("speculative", 2), ("cs_drafting", 1),
+    pytest.param("speculative", 0, marks=pytest.mark.slow)])     # ~30 s, both joining at once: the slow suite's
 def test_plain_from_a_batch_size_is_exact_as_rows_join_and_leave(strategy, steps_before):
     target = TabularModel("target", 3, seed=21)
     drafters = TabularModel("large", 3, seed=22, zeros=True), TabularModel("small", 3, seed=23)

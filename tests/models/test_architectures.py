@@ -116,6 +116,7 @@ def test_matrix_greedy_equals_transformers(root, name):
     assert sum(st.accepted_tokens for st in spec) > 0                # the accept path ran too
 
 
+@pytest.mark.slow      # ~26 s; tests/serving/test_serve.py's gloo TP test covers TP in the default run
 def test_tensor_parallel_matrix(root):
     """Every architecture with a tensor-parallel plan, its target sharded over two gloo ranks with
     transformers' plan: greedy output of autoregressive, speculative and block-verified decoding equals the

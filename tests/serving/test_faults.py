@@ -149,6 +149,7 @@ def test_without_resuming_a_dead_target_fails_its_requests_fast(unit):
     assert not any(ids for ids in coord.active_requests().values())
 
 
+@pytest.mark.slow      # ~30 s (a TP = 2 unit of its own); the slow suite's
 def test_dead_tensor_parallel_rank_rebuilds_the_group(unit, tmp_path):
     """Killing one rank of a TP=2 target: health says NOT_SERVING, the unit kills the rest of the group, starts a
     new one, and the in-flight requests resume on it, each equal to its uninterrupted twin."""

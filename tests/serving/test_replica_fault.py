@@ -99,6 +99,7 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
           f"unary request completed {done_in:.1f}s after the kill, equal to their twins")
 
 
+@pytest.mark.slow      # ~45 s (a second two-unit application); the slow suite's
 def test_a_removed_unit_moves_its_streams_to_the_other(served, tiny_engine):
     """Drain: a two-unit application scaled down to one unit (a downscale, as the autoscaler or a rolling update
     removes a unit) with ``drain_timeout_s: 1``: the removed unit's streams break once the drain time is up and

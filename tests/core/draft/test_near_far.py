@@ -255,7 +255,8 @@ def test_a_look_ahead_given_up_keeps_nothing():
 # -- exact laws ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opts,sampling,delay", [
     (dict(drafter="d", k=1), SamplingParams(1.0, top_k=2), 0),
-    (dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0),
+    pytest.param(dict(drafter="d", k=2, verify="block"), SamplingParams(0.8, top_k=2), 0,   # ~30 s: the slow
+                 marks=pytest.mark.slow),                                                    # suite's
     pytest.param(dict(drafter="d", k=1), SamplingParams(1.0), 2,           # every answer late: near only;
                  marks=pytest.mark.slow),                                  # ~2 min: the slow suite's
 ])
@@ -276,6 +277,7 @@ def test_the_speculation_cache_keeps_the_target_law_exactly(opts, sampling, dela
     assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
 
 
+@pytest.mark.slow      # ~70 s (7 tokens: fewer take no answer drafted ahead); the slow suite's
 def test_blocks_drafted_ahead_keep_the_target_law_exactly():
     """A sampled request through the engine with a speculator that drafts each next fill ahead (its look-ahead's
     draws enumerated too): the tokens follow the target exactly, and answers drafted ahead were taken."""

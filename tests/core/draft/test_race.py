@@ -40,7 +40,8 @@ def near_far(drafters: dict, copies: dict, *, rng=None, delay: int = 0, rows: in
 
 
 @pytest.mark.parametrize("opts,sampling,delay", [
-    (dict(drafter="d", k=2), SamplingParams(1.0), 1),                      # arrives before near's first round
+    pytest.param(dict(drafter="d", k=2), SamplingParams(1.0), 1,           # arrives before near's first round;
+                 marks=pytest.mark.slow),                                  # ~75 s: the batched race tests cover it
     pytest.param(dict(drafter="d", k=2), SamplingParams(1.0), 2,           # after near's first token; ~2 min:
                  marks=pytest.mark.slow),                                  # the slow suite's
     pytest.param(dict(drafter="d", k=2, verify="block"), SamplingParams(0.8), 2,   # ~1 min: the slow suite's
