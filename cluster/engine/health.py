@@ -4,8 +4,10 @@ When a drafter (or the Max-Gram drafter) stops answering (:class:`ModelUnavailab
 down and its requests continue on the target alone: each step becomes a plain autoregressive step, which emits
 exactly the target's distribution, so lossless strategies keep their output law.  A request's state on a model
 that went down is *stale*; once the model answers again (its handle's ``probe()``: e.g. a restarted actor), the
-engine prefills it with the request's committed tokens and speculation resumes.  The target going down fails its
-requests with :class:`ModelUnavailableError` (nothing can continue without it) until it answers again.
+engine prefills it with the request's committed tokens and speculation resumes.  The target going down takes every
+request's state with it: its requests wait and start again from their committed tokens once it answers
+(``Engine._suspend``, up to ``resume_limit`` times), or fail with :class:`ModelUnavailableError` without a resume
+limit; new requests are refused until it answers again.
 """
 from __future__ import annotations
 

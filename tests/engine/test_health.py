@@ -146,6 +146,39 @@ def test_dead_target_fails_requests_refuses_new_ones_until_it_answers():
     assert len(ok.token_ids) == 2 and not engine.has_work
 
 
+@pytest.mark.parametrize("strategy,options", [("speculative", {"drafter": "d", "k": 2}), ("autoregressive", {})])
+def test_a_request_the_target_lost_resumes_with_the_target_law_exactly(strategy, options):
+    """The target dies after the first step (losing every request's state) and comes back: with a resume limit
+    the request waits and goes on from its committed tokens; every draw enumerated, its law is still the
+    target's, and the dead step emitted nothing."""
+    holder = {}
+    target = Flaky("target", V, seed=13)
+    drafter = TabularModel("d", V, seed=14, zeros=True)
+    engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(V), rng_factory=lambda s: holder["rng"],
+                          resume_limit=2)
+    sampling = SamplingParams(1.0)
+
+    def run(rng):
+        holder["rng"] = drafter.rng = rng
+        target.down = False
+        engine.health.down.clear()
+        seq = engine.add(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=3, sampling=sampling, seed=1,
+                                           strategy=strategy, options=options, request_id="r"))
+        engine.step()
+        emitted = list(seq.generated)
+        target.go_down()
+        engine.step()
+        assert seq.resumes == 1 and seq.error is None and seq.generated == emitted
+        target.down = False
+        while engine.has_work:
+            engine.step()
+        assert seq.error is None and [t for c in seq.chunks for t in c.token_ids] == seq.generated
+        return tuple(seq.generated)
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target_joint(target, [1, 2], 3, sampling)) < 1e-9
+
+
 def test_deadline_ends_the_request_and_frees_its_state():
     target, drafter = TabularModel("target", V, seed=1), TabularModel("d", V, seed=2)
     engine = local_engine({"target": target, "d": drafter}, VocabTokenizer(V), request_timeout_s=60.0)
