@@ -58,6 +58,7 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
     plain = SpecServeClient(c.address, app=APP, timeout=120, resume=0)
     kw = dict(prompt=PROMPT, max_new_tokens=400, ignore_eos=True, strategy="autoregressive", temperature=0.8)
     out: dict = {}
+    started: set = set()                         # the streams that delivered a chunk
 
     def hold(kind: str) -> None:
         try:
@@ -68,6 +69,7 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
                 ids, last = [], None
                 for last in call:
                     ids.extend(last.token_ids)
+                    started.add(kind)
                 out[kind] = (ids, list(last.result.token_ids), getattr(call, "resumed", 0))
         except Exception as e:                  # noqa: BLE001 - the test inspects it
             out[kind] = e
@@ -75,7 +77,8 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
     threads = [threading.Thread(target=hold, args=(k,)) for k in ("plain", "stream", "unary")]
     for t in threads:
         t.start()
-    poll(lambda: len(c.server_info().live_requests) == 3, "the three requests to be running")
+    poll(lambda: len(started) == 2 and len(c.server_info().live_requests) == 3,
+         "the three requests to be running and both streams delivering")
     old = _replica_pid()
     os.kill(old, signal.SIGKILL)
     t_kill = time.perf_counter()
@@ -92,7 +95,7 @@ def test_killed_replica_streams_resume_on_its_replacement(victim, tiny_engine):
                                                          sampling=SamplingParams(0.8), seed=seed,
                                                          strategy="autoregressive")).token_ids for seed in (1, 2)}
     streamed, result, resumed = out["stream"]
-    assert resumed == 1 and streamed == result == twin[1]       # every token once, in order, as uninterrupted
+    assert resumed >= 1 and streamed == result == twin[1]       # every token once, in order, as uninterrupted
     assert out["unary"] == twin[2]
     assert _replica_pid() != old
     print(f"\nServe replica killed: the non-resuming client got UNAVAILABLE; the resumed stream and the re-sent "
