@@ -123,7 +123,7 @@ class DraftCtx:
     rid: str
     members: dict                    # drafter name -> handle (capabilities: ``deterministic``)
     sampling: SamplingParams
-    rng: Rng
+    new_rng: Callable[[], Rng]       # the block's random source, built on first use (only a cascade's reviews draw)
     sync: Callable[[str, list[int]], None]    # (drafter, work): it now holds committed + work
     held: Callable[[str, list[int]], None]    # (drafter, work): it holds committed + work after a call
     forwards: dict[str, int] = field(default_factory=dict)
@@ -132,6 +132,13 @@ class DraftCtx:
     # the tokens drafted so far while they are a prefix of the block to come (one token per call); None once a call
     # was answered whose draws are not (a cascade's proposals and reviews): read between rounds (DraftSide's race)
     partial: list[int] | None = field(default_factory=list)
+    _rng: Rng | None = field(default=None, init=False, repr=False)
+
+    @property
+    def rng(self) -> Rng:
+        if self._rng is None:
+            self._rng = self.new_rng()
+        return self._rng
 
     def grammar_cut(self, work: list[int], toks: list[int]) -> list[int]:
         """A deterministic (Max-Gram) draft cut at its first token the request's grammar forbids: exact, as

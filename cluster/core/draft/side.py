@@ -29,6 +29,7 @@ tokens in every runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 from cluster.core.calls import DraftItem, PrefillItem, drive
@@ -244,6 +245,12 @@ class DraftSide(BatchedHandle):
         except KeyError:
             raise UnknownRequestError(DRAFTS, rid) from None
 
+    def _block_rng(self, seed: int, start: int) -> Rng:
+        """A block's own draws (a cascade's internal reviews) from (seed, where the block starts): a function of the
+        position, not of what was drawn before, so a pre-drafted block, a synchronous one and a resumed request's
+        draw the same."""
+        return self.rng_factory(derive_seed(seed, DRAFTS, str(start)))
+
     def _run(self, runs: list[_Run], stop=None, race=None) -> list:
         """Run the programs of ``runs`` together (``stop``: :func:`cluster.core.calls.drive`; ``race``: its
         ``withdraw``, with the tokens drafted so far); in order, a block or the exception that failed that request
@@ -253,10 +260,7 @@ class DraftSide(BatchedHandle):
         for run in runs:
             if run.key not in failed:
                 st = self._reqs[run.rid]
-                # the block's own draws (a cascade's internal reviews) from (seed, where it starts): a function of
-                # the position, not of what was drawn before, so a pre-drafted block, a synchronous one and a
-                # resumed request's draw the same
-                rng = self.rng_factory(derive_seed(st.seed, DRAFTS, str(len(run.work))))
+                rng = partial(self._block_rng, st.seed, len(run.work))
                 dcs[run.key] = dc = DraftCtx(run.rid, self.members, st.sampling, rng, self._syncer(st, run.rid),
                                              self._holder(st), committed=st.seq, alts=self.alts)
                 gens[run.key] = run_program(run.spec, dc, run.work, run.limit, stoppable=bool(stop or race))
