@@ -69,10 +69,15 @@ class Sequence:
         return self.req.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
+    def wants_resumed_logprobs(self) -> bool:
+        """Logprobs are asked and the tokens a continuation resumes from have none yet."""
+        return self.logprobs is not None and len(self.logprobs) < len(self.generated)
+
+    @property
     def wants_scores(self) -> bool:
         """The target's prefill must score the committed tokens: for the prompt's logprobs, or for the logprobs of
         the tokens a continuation resumes from."""
-        return self.wants_prompt_logprobs or (self.logprobs is not None and len(self.logprobs) < len(self.generated))
+        return self.wants_prompt_logprobs or self.wants_resumed_logprobs
 
     def set_scores(self, logits: torch.Tensor) -> None:
         """From the target's raw logits ``[N-1, V]`` over the committed tokens (row i: the position of token i+1):
@@ -80,7 +85,7 @@ class Sequence:
         ids, n = self.ctx.tokens, len(self.req.prompt_ids)
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = [None] + token_logprobs(logits[:n - 1], ids[1:n], self.req.prompt_logprobs)
-        if self.logprobs is not None and len(self.logprobs) < len(self.generated):
+        if self.wants_resumed_logprobs:
             self.logprobs = token_logprobs(logits[n - 1:], ids[n:], self.req.logprobs)
 
     def resume_from(self, ids: tuple[int, ...]) -> None:
