@@ -112,16 +112,14 @@ class SpecServeClient:
     def generate(self, prompt: str | None = None, **kw) -> pb.GenerateResponse:
         """One request; sent again whole (same seed: the same answer) when its unit is lost while it runs."""
         m, end = self._seeded(prompt, kw), _deadline(self.timeout)
-        tries = MAX_IDLE_TRIES if self.resume else 1
-        for attempt in range(tries):
+        attempt = 0
+        while True:
             try:
                 return self.stub.Generate(m, metadata=self.metadata, timeout=_left(end))
             except grpc.RpcError as e:
-                wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1 or \
-                        (end is not None and time.monotonic() + wait >= end):
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not self.resume or not _pause(attempt, end):
                     raise
-                time.sleep(wait)
+                attempt += 1
 
     def stream(self, prompt: str | None = None, **kw) -> "ResumingStream":
         """Chunks as they are produced, resumed where a lost unit broke them (module docstring); call
@@ -187,12 +185,10 @@ class ResumingStream:
                     raise
                 if progressed:
                     self.resumed += 1
-                else:                            # wait for a unit, within the deadline
-                    wait = BACKOFF_S[min(idle, len(BACKOFF_S) - 1)]
-                    if idle + 1 >= MAX_IDLE_TRIES or (self.end is not None and time.monotonic() + wait >= self.end):
-                        raise
-                    time.sleep(wait)
+                elif _pause(idle, self.end):     # waited for a unit, within the deadline
                     idle += 1
+                else:
+                    raise
                 self._call, self._since = self._start(), len(self.ids)
                 continue
             self.ids.extend(chunk.token_ids)
@@ -200,6 +196,16 @@ class ResumingStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def _pause(tries: int, end: float | None) -> bool:
+    """After ``tries`` + 1 tries in a row refused before any token: wait the backoff and say to try again, or False
+    when that would be the MAX_IDLE_TRIES-th try or pass the deadline ``end``."""
+    wait = BACKOFF_S[min(tries, len(BACKOFF_S) - 1)]
+    if tries + 1 >= MAX_IDLE_TRIES or (end is not None and time.monotonic() + wait >= end):
+        return False
+    time.sleep(wait)
+    return True
 
 
 def _deadline(timeout: float | None) -> float | None:
