@@ -41,6 +41,7 @@ class ScoreItem(NamedTuple):
 class ProposeItem(NamedTuple):
     rid: str
     k: int                       # tokens to sample -> (tokens [k], logits [k, V])
+    rows: bool = True            # False: the caller reads the tokens only (logits None: nothing copied or sent)
 
 
 class AdaptiveItem(NamedTuple):
@@ -60,13 +61,15 @@ class DraftItem(NamedTuple):
 
 @dataclass(frozen=True)
 class Propose:
-    """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``."""
+    """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``; with ``rows``
+    False the logits come back as None (a greedy block travels as its tokens)."""
 
     model: str
     k: int
+    rows: bool = True
 
     def item(self, rid: str) -> ProposeItem:
-        return ProposeItem(rid, self.k)
+        return ProposeItem(rid, self.k, self.rows)
 
     @staticmethod
     def run(handle: BatchedHandle, items: list[ProposeItem]) -> list:

@@ -93,8 +93,9 @@ class BatchedHandle(ABC):
         """Forget request ``rid`` (idempotent: an unknown id is a no-op)."""
 
     # -- optional (declared by ``proposes`` / ``adaptive``; the draft side's own call) ------------------
-    def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
-        """Sample k tokens autoregressively per request; append them; tokens ``[k]``, logits ``[k, V]``."""
+    def propose_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Sample k tokens autoregressively per item ``(rid, k[, rows])``; append them; tokens ``[k]``, logits
+        ``[k, V]`` (a handle may answer None where ``rows`` is False: the caller reads the tokens only)."""
         raise UnsupportedCallError(self.name, "propose_batch")
 
     def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
@@ -160,7 +161,7 @@ class PerRequestHandle(BatchedHandle):
         return [self.score(rid, list(draft)) for rid, draft in items]
 
     def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
-        return [self.propose(rid, k) for rid, k in items]
+        return [self.propose(rid, k) for rid, k, *_ in items]
 
     def propose_adaptive_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
         return [self.propose_adaptive(rid, *rest) for rid, *rest in items]

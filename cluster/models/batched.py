@@ -144,9 +144,10 @@ class BatchedHFWorker(BatchedHandle):
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         return self.score_batch([(rid, draft)])[0]
 
-    def propose_batch(self, items: list[tuple[str, int]]) -> list[tuple[list[int], torch.Tensor]]:
-        """Sample k_i tokens per row (max k_i forwards; rows drop out when done): tokens [k_i], logits [k_i, V]."""
-        return self._draft([(rid, k, None, None) for rid, k in items])
+    def propose_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Sample k_i tokens per row ``(rid, k_i[, rows])`` (max k_i forwards; rows drop out when done): tokens
+        [k_i], logits [k_i, V] (None where ``rows`` is False)."""
+        return self._draft([(rid, k, None, None, *keep) for rid, k, *keep in items])
 
     def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
         """SpecDec++ drafting (Huang et al. 2024, Algorithm 1) per row (rid, k_max, head, threshold[, eos]): the
@@ -206,17 +207,18 @@ class BatchedHFWorker(BatchedHandle):
                 self.prefix.register(req.slot, req.tokens, req.salt, req.cached)
             self.prefix.release(req.slot)
 
-    def _draft(self, items) -> list[tuple[list[int], torch.Tensor]]:
-        """Rows (rid, k, head or None, DraftStop or None): one forward per step over the rows still drafting,
-        every row's token drawn in one batched call on the device (:func:`cluster.core.rejection.sample_batch`,
+    def _draft(self, items) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Rows (rid, k, head or None, DraftStop or None[, rows]): one forward per step over the rows still
+        drafting, every row's token drawn in one batched call on the device (:func:`cluster.core.rejection.sample_batch`,
         counter-based draws keyed by the row's start and step); a row with a head stops by its rule, one without
-        after k tokens."""
+        after k tokens.  A row's logits ``[L, V]`` are gathered from the steps' outputs at the end, only for the
+        rows whose caller reads them (``rows`` False: None, no copy of V-wide rows)."""
         reqs = [self._get(rid) for rid, *_ in items]
+        keep = [it[4] if len(it) > 4 else True for it in items]
         out = [[] for _ in items]
         starts = [len(r.tokens) for r in reqs]
-        rows_of = torch.empty(len(items), max([k for _, k, _, _ in items], default=0), self.vocab_size,
-                              device=self.device)                                      # [B, k, V]
-        live = [i for i, (_, k, _, _) in enumerate(items) if k > 0]
+        steps: list[tuple[dict[int, int], torch.Tensor]] = []        # per step: (row -> its line, logits [B_s, V])
+        live = [i for i, (_, k, *_) in enumerate(items) if k > 0]
         step = 0
         while live:
             step += 1
@@ -230,18 +232,21 @@ class BatchedHFWorker(BatchedHandle):
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
             toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
-            rows_of[live, step - 1] = last
+            if any(keep[i] for i in live):
+                steps.append(({i: j for j, i in enumerate(live)}, last))
             accept = self._accept_probs(items, live, hid, at) if step >= 2 and hid is not None else {}
             done = set()
             for j, (i, tok) in enumerate(zip(live, toks)):
-                req, (_, k, head, rule) = reqs[i], items[i]
+                req, (_, k, head, rule, *_) = reqs[i], items[i]
                 req.tokens.append(tok)
                 out[i].append(tok)
                 stop = step >= k if rule is None else rule.after(tok, accept.get(j))
                 if stop:
                     done.add(i)
             live = [i for i in live if i not in done]
-        return [(toks, rows_of[i, :len(toks)]) for i, toks in enumerate(out)]            # views, no copies
+        empty = torch.empty(0, self.vocab_size, device=self.device)
+        return [(toks, (torch.stack([lg[at[i]] for at, lg in steps[:len(toks)]]) if toks else empty)
+                 if keep[i] else None) for i, toks in enumerate(out)]
 
     @staticmethod
     @torch.inference_mode()

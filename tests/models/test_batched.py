@@ -98,6 +98,21 @@ def test_propose_batch_matches_single_requests(params):
     assert bw.propose_batch([]) == []
 
 
+def test_propose_batch_rows_only_where_asked():
+    """``rows`` False: the same tokens, no logits; the rows a mixed batch keeps are the ones a batch of kept rows
+    returns (each row gathered from its own steps, not its neighbour's)."""
+    outs = []
+    for keep in ((True, True, True), (False, True, False)):
+        bw, _ = make("mha")
+        for i, rid in enumerate("abc"):
+            bw.prefill(rid, prompt(4 + 7 * i, i), SAMPLED, 100 + i)
+        outs.append(bw.propose_batch([(rid, k, kp) for rid, k, kp in zip("abc", (3, 5, 2), keep)]))
+    (full, part) = outs
+    assert [t for t, _ in full] == [t for t, _ in part]
+    assert part[0][1] is None and part[2][1] is None
+    assert torch.equal(part[1][1], full[1][1]) and part[1][1].shape == (5, 257)
+
+
 def test_propose_adaptive_batch_matches_single_requests():
     bw, hw = make("mha")
     torch.manual_seed(3)

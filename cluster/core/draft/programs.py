@@ -166,21 +166,22 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         q = torch.stack(qs) if qs else None
         return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
+    want = not dc.sampling.greedy or dc.alts > 0        # a greedy block travels as tokens; its bets need the rows
     if spec.kind == "propose" and stoppable and not dc.deterministic(name):
         toks, rows = [], []
         while len(toks) < limit:
             dc.sync(name, work + toks)
-            got, lg = yield Propose(name, 1)                              # [1], [1, V]
+            got, lg = yield Propose(name, 1, want)                        # [1], [1, V] or None
             got = [int(t) for t in got]
             dc.held(name, work + toks + got)
             toks, rows = toks + got, rows + [lg]
             dc.partial = list(toks)
             if not got:
                 break
-        logits = torch.cat(rows) if rows else None
+        logits = torch.cat(rows) if want and rows else None
     else:
         dc.sync(name, work)
-        call = Propose(name, limit) if spec.kind == "propose" else \
+        call = Propose(name, limit, want) if spec.kind == "propose" else \
             ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
         toks, logits = yield call                                         # [L], [L, V]
     toks = list(toks)
@@ -189,7 +190,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     onehot = dc.deterministic(name)
     if onehot:
         toks = dc.grammar_cut(work, toks)                                 # neural drafters sampled masked
-        logits = logits[:len(toks)]
+        logits = None if logits is None else logits[:len(toks)]
     block = pack_block(toks, None, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
     return block if onehot else _with_alts(block, logits, dc.alts)
 
