@@ -22,9 +22,8 @@ and it returns, per row:
 A greedy row is an argmax comparison and materialises no probability row.  Sampled rows use the per-row
 temperature / top-k / top-p as tensors (:class:`RowSampling`), in the logits' dtype: float32 on the device in
 serving, float64 in the exact-enumeration tests (one code path, two dtypes).  Every random draw goes through a
-:class:`Draws`: :class:`CounterDraws` computes each uniform from (seed, step start, offset, purpose) on the device
-(a request is reproducible from any step, whatever its batch), :class:`RngDraws` hands each draw to a per-row
-random source (the enumeration tests' branching one).  The per-row code of :mod:`cluster.core.verify` and
+:class:`cluster.core.draws.Draws` (counter-based on the device in serving, per-row sources in the enumeration
+tests).  The per-row code of :mod:`cluster.core.verify` and
 :mod:`cluster.core.block_verify` is this module's test oracle.
 """
 from __future__ import annotations
@@ -33,9 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.core.draws import FINAL, Draws
 from cluster.core.sampling import SamplingParams
-
-ACCEPT, FINAL, DRAFT = 1, 2, 3       # the purposes of a draw (part of its counter)
 
 
 # -- per-row sampling settings as tensors -------------------------------------------------------------
@@ -119,115 +117,6 @@ def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     return probs
 
 
-# -- random draws -----------------------------------------------------------------------------------
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def counter_hash(seed: torch.Tensor, start: torch.Tensor, offset: torch.Tensor, purpose: int) -> torch.Tensor:
-    """A 64-bit hash of (seed, start, offset, purpose), elementwise over broadcast int64 tensors (SplitMix64's
-    finaliser over a Weyl combination of the four).  Written here because torch's generators are stateful: no
-    torch API draws a value keyed by a counter per element, which per-request reproducibility inside a batch
-    needs (vLLM loops over seeded rows with a generator each instead)."""
-    x = seed * _GOLDEN + start * _MIX1 + (offset * 8 + purpose) * _MIX2
-    x = x + _GOLDEN
-    x = (x ^ _srl(x, 30)) * _MIX1
-    x = (x ^ _srl(x, 27)) * _MIX2
-    return x ^ _srl(x, 31)
-
-
-def counter_uniform(seed, start, offset, purpose: int, dtype=torch.float64) -> torch.Tensor:
-    """Uniforms in [0, 1) from :func:`counter_hash`: the top 53 bits (24 in float32), exactly representable."""
-    h = counter_hash(seed, start, offset, purpose)
-    bits = 24 if dtype == torch.float32 else 53
-    return _srl(h, 64 - bits).to(dtype) * (2.0 ** -bits)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index drawn from each row of ``probs [B, V]`` (unnormalised is fine) by the uniform ``u [B]``: the first
-    index whose cumulative mass exceeds u x the row's total, never past the row's last positive entry."""
-    cdf = probs.cumsum(-1)                                                     # [B, V]
-    total = cdf[:, -1:].contiguous()
-    idx = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, right=True)
-    last = torch.searchsorted(cdf, total, right=False)                         # the last positive entry
-    return torch.minimum(idx, last)[:, 0]
-
-
-class Draws:
-    """The random source of one batched call: Bernoulli and categorical draws over tensors, where ``live``
-    [B] or [B, K] says which draws the outcome can depend on (the others may return anything)."""
-
-    def bernoulli(self, prob: torch.Tensor, live: torch.Tensor, purpose: int = ACCEPT,
-                  until_false: bool = False) -> torch.Tensor:
-        """``until_false``: along each row only the draws up to its first failure can matter (token
-        verification), so a source may leave the rest undrawn (False)."""
-        raise NotImplementedError
-
-    def categorical(self, probs: torch.Tensor, live: torch.Tensor, purpose: int = FINAL,
-                    offset: int = 0) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class CounterDraws(Draws):
-    """Draws computed from (seed, start, offset, purpose): ``seeds [B]`` per request, ``starts [B]`` the
-    sequence length where the row's step began (so no uniform is ever used twice by a request: every step
-    starts further on)."""
-
-    def __init__(self, seeds: torch.Tensor, starts: torch.Tensor):
-        self.seeds, self.starts = seeds, starts
-
-    @classmethod
-    def of(cls, seeds: list[int], starts: list[int], device) -> "CounterDraws":
-        return cls(torch.tensor(seeds, dtype=torch.long, device=device),
-                   torch.tensor(starts, dtype=torch.long, device=device))
-
-    def bernoulli(self, prob, live, purpose=ACCEPT, until_false=False):
-        K = prob.shape[1]
-        off = torch.arange(K, device=prob.device)[None]
-        u = counter_uniform(self.seeds[:, None], self.starts[:, None], off, purpose, prob.dtype)
-        return u < prob
-
-    def categorical(self, probs, live, purpose=FINAL, offset=0):
-        off = torch.full_like(self.seeds, offset)
-        return inverse_cdf(probs, counter_uniform(self.seeds, self.starts, off, purpose, probs.dtype))
-
-
-class RngDraws(Draws):
-    """Each live draw handed to its row's random source (``bernoulli(p)``, ``categorical(probs [V])``): the
-    exact-enumeration tests' branching sources, or any per-request :class:`cluster.core.sampling.Rng`."""
-
-    def __init__(self, rngs: list):
-        self.rngs = rngs
-
-    def bernoulli(self, prob, live, purpose=ACCEPT, until_false=False):
-        out = torch.zeros(prob.shape, dtype=torch.bool)
-        failed = set()
-        for b, j in live.nonzero().tolist():
-            if b not in failed:
-                out[b, j] = self.rngs[b].bernoulli(float(prob[b, j]))
-                if until_false and not out[b, j]:
-                    failed.add(b)
-        return out.to(prob.device)
-
-    def categorical(self, probs, live, purpose=FINAL, offset=0):
-        out = torch.zeros(probs.shape[0], dtype=torch.long)
-        for b in live.nonzero()[:, 0].tolist():
-            p = probs[b].to(torch.float64)
-            out[b] = self.rngs[b].categorical(p / p.sum())
-        return out.to(probs.device)
-
-
 # -- sampling and verification --------------------------------------------------------------------------
 def sample_batch(logits: torch.Tensor, rs: RowSampling, draws: Draws, offset: int = 0,
                  purpose: int = FINAL) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,12 +163,22 @@ class Laws:
         return self.full()[:, :tokens.shape[1]].gather(-1, tokens[..., None])[..., 0]
 
     def row(self, idx: torch.Tensor) -> torch.Tensor:
-        """``idx [B]`` -> row (b, idx_b) of every request, ``[B, V]``."""
-        return self.full()[torch.arange(idx.shape[0], device=idx.device), idx]
+        """``idx [B]`` -> row (b, idx_b) of every request, ``[B, V]`` (whole rows copied by ``index_select``:
+        advanced indexing walks the elements, several times slower over V-wide rows on the CPU)."""
+        return pick_rows(self.full(), idx)
 
 
-def _onehot_at(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like).scatter(-1, x[:, None], 1.0)
+def pick_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [B, n, V]``, ``idx [B]`` -> ``x[b, idx_b]`` ``[B, V]``: whole rows copied by ``index_select`` over
+    ``x``'s rows as one ``[*, V]`` view where its layout allows (a slice of a longer ``[B, n', V]`` too);
+    advanced indexing walks the elements, several times slower over V-wide rows on the CPU."""
+    B, n, V = x.shape
+    rows = torch.arange(B, device=idx.device)
+    if not (B and n and x.stride(2) == 1 and x.stride(1) == V and x.stride(0) % V == 0):
+        return x[rows, idx]
+    m = x.stride(0) // V                                          # rows of V between two requests' first rows
+    flat = x.as_strided(((B - 1) * m + n, V), (V, 1))
+    return flat.index_select(0, rows * m + idx)
 
 
 def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, rs: RowSampling,
@@ -322,7 +221,7 @@ def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tenso
         ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).to(px.dtype))
         ok = draws.bernoulli(ratio.clamp(max=1.0), live, until_false=True)
         acc = (ok & valid).long().cumprod(-1).sum(-1)                               # [B]
-        scale = torch.ones(B, dtype=px.dtype, device=px.device)
+        scale = None
     elif method == "block":
         det_b = torch.zeros(B, dtype=torch.bool, device=px.device) if det is None else det
         acc, scale = _block_tau(p.full(), px, qx, draft, lengths, valid, det_b, None if q is None else q.full(),
@@ -334,12 +233,20 @@ def verify_batch(logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tenso
     at = acc.clamp(max=max(K - 1, 0))
     t_row = p_row if target is None else pi.row(at) if K else p_row                 # the law to recover
     x_at = draft[rows, at] if K else torch.zeros_like(acc)
-    q_row = _onehot_at(x_at, p_row) if q is None or not K else q.row(at) if det is None else \
-        torch.where(det[:, None], _onehot_at(x_at, p_row), q.row(at))
-    res = torch.clamp(scale[:, None] * t_row - q_row, min=0.0)
-    mass = res.sum(-1, keepdim=True)
-    res = torch.where(mass > 0, res / torch.where(mass > 0, mass, 1.0), t_row)
-    final = torch.where(bonus[:, None], p_row, res)
+    res = t_row if scale is None else scale[:, None] * t_row
+    if q is None or not K:                                    # one-hot q: the law less the drafted token
+        res = res.clone()
+        res[rows, x_at] -= 1.0
+    else:
+        q_row = q.row(at)                                     # a fresh [B, V]: one-hot rows written in place
+        if det is not None:
+            q_row.masked_fill_(det[:, None], 0.0)
+            q_row[rows, x_at] = torch.where(det, 1.0, q_row[rows, x_at])
+        res = res - q_row
+    res = res.clamp_(min=0.0)                                 # left unnormalised: the draws normalise
+    keep = (res.sum(-1) > 0) & ~bonus                         # no residual mass: t itself (then t == q)
+    final = torch.where(keep[:, None], res, p_row if target is None else
+                        torch.where(bonus[:, None], p_row, t_row))
     tok = draws.categorical(final, ~rs.greedy)
     if rs.n_greedy:
         acc, tok = torch.where(rs.greedy, g_acc, acc), torch.where(rs.greedy, g_next, tok)

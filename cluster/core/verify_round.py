@@ -15,7 +15,8 @@ import torch
 from cluster.core.cascade_targets import cascade_target, deferral_rate, lossy_target
 from cluster.core.constraint import mask_logits
 from cluster.core.logprobs import TokenLogprob, token_logprobs
-from cluster.core.rejection import CounterDraws, Laws, RngDraws, RowSampling, probs_batch, verify_batch
+from cluster.core.draws import CounterDraws, RngDraws
+from cluster.core.rejection import Laws, RowSampling, probs_batch, verify_batch
 from cluster.core.sampling import Rng, SamplingParams
 
 
@@ -44,8 +45,29 @@ class Verified(NamedTuple):
 
 
 def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Per-request logits ``[L_b + 1, V]`` -> ``[B, K + 1, V]`` (zero padding past a row's own)."""
-    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+    """Per-request rows ``[L_b, V]`` -> ``[B, max L_b, V]``, without a copy where row b is row b of one batch's
+    ``[B, n, V]`` tensor (a batched drafter hands its rows out so): positions past a row's own then hold that
+    batch's later rows, finite values that the callers never read unmasked.  Otherwise a stack, zero-padded where
+    the lengths differ (V-wide copies cost on the CPU what a softmax does: worth skipping)."""
+    rows = list(rows)
+    base = _common_base(rows)
+    if base is not None:
+        return base[:, :max(r.shape[0] for r in rows)]
+    if len({r.shape[0] for r in rows}) == 1:
+        return torch.stack(rows)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def _common_base(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[B, n, V]`` tensor whose row b ``rows[b]`` is a leading slice of, else None."""
+    base = rows[0]._base if rows else None
+    if base is None or base.dim() != 3 or base.shape[0] != len(rows):
+        return None
+    for b, r in enumerate(rows):
+        if r._base is not base or r.dim() != 2 or r.shape[0] > base.shape[1] or r.shape[1] != base.shape[2] \
+                or r.stride() != base.stride()[1:] or r.storage_offset() != base.storage_offset() + b * base.stride(0):
+            return None
+    return base
 
 
 def _dtype(logits: torch.Tensor) -> torch.dtype:

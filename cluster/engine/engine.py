@@ -247,7 +247,7 @@ class Engine:
         """The target lost ``seq``'s state (its actor died or was replaced): release the request everywhere and
         queue it, first in line, to start again from its committed tokens (prompt and every token emitted) once the
         target answers.  Its next step starts where the lost one did, and every draw is a function of (seed, step
-        start, offset, purpose) (:class:`cluster.core.rejection.CounterDraws`), so the stream goes on exactly as
+        start, offset, purpose) (:class:`cluster.core.draws.CounterDraws`), so the stream goes on exactly as
         if nothing had happened: no token repeated or missing.  At most ``resume_limit`` times per request."""
         seq.resumes += 1
         log.warning("request %s lost its state on %s: resuming from %d tokens (%d of %d)", seq.rid, self.target,

@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM
 from cluster.core.constraint import mask_logits
 from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
-from cluster.core.rejection import DRAFT, CounterDraws, RowSampling, sample_batch
+from cluster.core.draws import DRAFT, CounterDraws
+from cluster.core.rejection import RowSampling, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import verify_round
 from cluster.models.head import resolve_head
@@ -224,11 +225,12 @@ class BatchedHFWorker(BatchedHandle):
             step += 1
             rows = [reqs[i] for i in live]
             logits, hid, at = self._forward(rows, hidden=any(items[i][2] is not None for i in live), raw=True)
-            last = logits[[b for b, _ in at], [n - 1 for _, n in at]].float()           # [B, V]
+            last = _last_rows(logits, at).float()                                           # [B, V]
             cons = [j for j, r in enumerate(rows) if r.sampling.constraint is not None]
             if cons:                                      # grammars' laws (core/constraint.py): one batched mask
                 allowed = torch.stack([rows[j].sampling.constraint.allowed(rows[j].tokens) for j in cons])
-                last[cons] = mask_logits(last[cons], allowed.to(last.device))
+                last = last.index_put((torch.tensor(cons, device=last.device),),      # a copy: the model's
+                                      mask_logits(last[cons], allowed.to(last.device)))  # rows stay as they are
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
             toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
@@ -245,6 +247,9 @@ class BatchedHFWorker(BatchedHandle):
                     done.add(i)
             live = [i for i in live if i not in done]
         empty = torch.empty(0, self.vocab_size, device=self.device)
+        if steps and all(len(at) == len(items) for at, _ in steps):    # every row in every step (row i: line i)
+            whole = torch.stack([lg for _, lg in steps], 1)                       # [B, k, V], row i a view of it
+            return [(toks, whole[i] if keep[i] else None) for i, toks in enumerate(out)]
         return [(toks, (torch.stack([lg[at[i]] for at, lg in steps[:len(toks)]]) if toks else empty)
                  if keep[i] else None) for i, toks in enumerate(out)]
 
@@ -319,3 +324,14 @@ class BatchedHFWorker(BatchedHandle):
             lg = logits[b, :len(f)]
             res[i] = (lg, hid[b, :len(f)] if hidden else None)
         return res
+
+
+def _last_rows(logits: torch.Tensor, at: list[tuple[int, int]]) -> torch.Tensor:
+    """Each request's last fed position of the padded ``logits [B, n, V]`` (``at``: per request (its row there,
+    n_b)) -> ``[B, V]``: a view where the requests are the rows in order and fed alike (a drafting step), else
+    whole rows picked (``index_select`` copies rows; advanced indexing walks the elements)."""
+    rows, last = [b for b, _ in at], [n - 1 for _, n in at]
+    if rows == list(range(logits.shape[0])) and len(set(last)) == 1:
+        return logits[:, last[0]]
+    flat = torch.tensor([b * logits.shape[1] + j for b, j in zip(rows, last)], device=logits.device)
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat)

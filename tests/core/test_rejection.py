@@ -8,19 +8,11 @@ import pytest
 import torch
 
 from cluster.core.block_verify import verify_block
-from cluster.core.rejection import (
-    CounterDraws,
-    RngDraws,
-    RowSampling,
-    counter_hash,
-    counter_uniform,
-    inverse_cdf,
-    probs_batch,
-    sample_batch,
-    verify_batch,
-)
+from cluster.core.draws import CounterDraws, RngDraws, counter_hash, counter_uniform, inverse_cdf
+from cluster.core.rejection import RowSampling, pick_rows, probs_batch, sample_batch, verify_batch
 from cluster.core.sampling import SamplingParams, logits_to_probs, sample
 from cluster.core.verify import verify_tokens
+from cluster.core.verify_round import stack_rows
 from tests.support.exact import enumerate_outcomes, max_abs_diff, random_dist
 
 ORACLE = {"token": verify_tokens, "block": verify_block}
@@ -236,3 +228,31 @@ def test_sample_batch_mixed_rows():
     assert max_abs_diff(got, want) < 1e-12
     one = enumerate_outcomes(lambda r: (sample(logits_to_probs(logits[1], params[1]), r),))
     assert max_abs_diff({(k[1],): w for k, w in got.items()}, one) < 1e-12
+
+
+def test_pick_rows_is_advanced_indexing_whatever_the_layout():
+    """Row (b, idx_b) of every request by index_select over one flat view: a contiguous block, a slice of a
+    longer one, a broadcast one and a transposed one (the last by advanced indexing) all give x[b, idx_b]."""
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(5, 6, 7, generator=g)
+    idx = torch.tensor([0, 3, 2, 3, 1])
+    rows = torch.arange(5)
+    for x in (whole, whole[:, :4], whole[:1].expand(5, 6, 7), whole.transpose(0, 1)[:5, :4]):
+        assert torch.equal(pick_rows(x, idx), x[rows, idx])
+
+
+def test_stack_rows_reuses_a_batch_it_was_cut_from():
+    """Rows cut from one [B, n, V] batch in order come back as that batch (no copy); any other list is stacked,
+    zero-padded where the lengths differ."""
+    batch = torch.randn(3, 4, 5)
+    lens = [4, 2, 3]
+    rows = [batch[b, :n] for b, n in enumerate(lens)]
+    got = stack_rows(rows)
+    assert got.data_ptr() == batch.data_ptr() and got.shape == (3, 4, 5)
+    for b, n in enumerate(lens):
+        assert torch.equal(got[b, :n], rows[b])
+    moved = stack_rows(rows[::-1])                                   # not in the batch's order: a copy
+    assert moved.data_ptr() != batch.data_ptr()
+    assert torch.equal(moved, torch.nn.utils.rnn.pad_sequence(rows[::-1], batch_first=True))
+    same = stack_rows([batch[2, :3], batch[0, :3]])
+    assert torch.equal(same, torch.stack([batch[2, :3], batch[0, :3]]))

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from cluster.core.rejection import DRAFT, CounterDraws, RowSampling, sample_batch
+from cluster.core.draws import DRAFT, CounterDraws
+from cluster.core.rejection import RowSampling, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.models.head import resolve_head
 
