@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
 
 from actors.model_actor import MAX_RESTARTS
 from actors.protocol import StepCall, StepTime, apply, stamp
@@ -31,6 +30,7 @@ from actors.speculator_host import SpeculatorServer
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.speculator import Speculator
 from cluster.models.build import build_handle
+from cluster.models.host import setup_process
 
 
 class DraftHost:
@@ -38,7 +38,7 @@ class DraftHost:
 
     def __init__(self, cfg, names: list[str], vocab_size: int | None = None, threads: int = 1,
                  overlap: bool = True):
-        torch.set_num_threads(threads)
+        setup_process(threads)
         members = {n: build_handle(cfg, n) for n in names}
         for name in cfg.statistical:            # the target's vocabulary (= every drafter's; None: theirs)
             vocab = vocab_size or min(h.vocab_size for h in members.values())

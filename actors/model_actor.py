@@ -8,10 +8,10 @@ four actors on a small CPU box cannot afford.
 """
 from __future__ import annotations
 
-import torch
 
 from actors.protocol import StepCall, StepTime, apply, stamp
 from cluster.models.build import build_handle
+from cluster.models.host import setup_process
 
 MAX_RESTARTS = 10      # a model actor that dies is restarted by Ray (empty: its requests re-prefill it)
 
@@ -20,7 +20,7 @@ class ModelHost:
     """The actor body (plain class: :mod:`actors.tp` reuses it)."""
 
     def __init__(self, cfg, name: str, threads: int = 1):
-        torch.set_num_threads(threads)
+        setup_process(threads)
         self.worker = build_handle(cfg, name)
         self.name = name
 

@@ -14,16 +14,16 @@ import datetime
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 
 from actors.model_actor import ModelHost
 from cluster.models.build import build_handle
+from cluster.models.host import setup_process
 
 
 class TPRank(ModelHost):
     def __init__(self, cfg, name: str, rank: int, world: int, threads: int = 1):   # loads in setup(), not here
-        torch.set_num_threads(threads)
+        setup_process(threads)
         self.cfg, self.name, self.rank, self.world = cfg, name, rank, world
         self.worker = None
 

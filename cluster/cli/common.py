@@ -4,11 +4,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import torch
 
 from cluster.config.schema import load_config
 from cluster.errors import ConfigError, check_int
 from cluster.family import ensure_built
+from cluster.models.host import setup_process
 
 EXIT_USAGE = 2
 
@@ -30,7 +30,7 @@ def configure_threads() -> int:
     """
 
     n = check_int("SPECSERVE_THREADS", os.environ.get("SPECSERVE_THREADS", "1"), 1, 256)
-    torch.set_num_threads(n)
+    setup_process(n)
     return n
 
 

@@ -19,7 +19,6 @@ import time
 import uuid
 from typing import AsyncIterator
 
-import torch
 
 from cluster.config.schema import Config
 from cluster.core.draft.programs import DRAFTS
@@ -31,6 +30,7 @@ from cluster.engine.request import (
     StreamChunk,
 )
 from cluster.engine.sequence import WAITING, Sequence
+from cluster.models.host import setup_process
 from cluster.serving.control.chunks import ChunkBox, StepDelivery, paced, wake_rule
 from cluster.serving.ops.metrics import Timeline
 from cluster.serving.control.unit import build_unit
@@ -45,7 +45,7 @@ class Coordinator:
     """One serving unit's engine, its step loop, and request bookkeeping (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, topology: str | None = None, metrics=None):
-        torch.set_num_threads(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
+        setup_process(cfg.cluster.coordinator.threads)   # this process runs models too (one thread)
         self.cfg, self.topology = cfg, topology or cfg.cluster.placement()[0]
         if topology is None:
             log.info("topology %s (%s)", self.topology, cfg.cluster.placement()[1])
