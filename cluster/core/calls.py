@@ -42,6 +42,8 @@ class ProposeItem(NamedTuple):
     rid: str
     k: int                       # tokens to sample -> (tokens [k], logits [k, V])
     rows: bool = True            # False: the caller reads the tokens only (logits None: nothing copied or sent)
+    law: bool = False            # the rows as the probabilities the tokens were drawn from, not the raw logits
+                                 # (asked of a handle that declares ``laws`` only)
 
 
 class AdaptiveItem(NamedTuple):
@@ -62,14 +64,16 @@ class DraftItem(NamedTuple):
 @dataclass(frozen=True)
 class Propose:
     """Draft ``k`` tokens autoregressively with ``model`` -> ``(tokens [k], raw logits [k, V])``; with ``rows``
-    False the logits come back as None (a greedy block travels as its tokens)."""
+    False the logits come back as None (a greedy block travels as its tokens); with ``law`` the rows are the
+    laws the tokens were drawn from (probabilities [k, V]: the verifier then computes no softmax over them)."""
 
     model: str
     k: int
     rows: bool = True
+    law: bool = False
 
     def item(self, rid: str) -> ProposeItem:
-        return ProposeItem(rid, self.k, self.rows)
+        return ProposeItem(rid, self.k, self.rows, self.law)
 
     @staticmethod
     def run(handle: BatchedHandle, items: list[ProposeItem]) -> list:

@@ -42,14 +42,41 @@ def counter_uniform(seed, start, offset, purpose: int, dtype=torch.float64) -> t
     return _srl(h, 64 - bits).to(dtype) * (2.0 ** -bits)
 
 
+BLOCK = 1024                 # entries per block of a two-level draw
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index drawn from each row of ``probs [B, V]`` (unnormalised is fine) by the uniform ``u [B]``: the first
-    index whose cumulative mass exceeds u x the row's total, never past the row's last positive entry."""
-    cdf = probs.cumsum(-1)                                                     # [B, V]
-    total = cdf[:, -1:].contiguous()
-    idx = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, right=True)
-    last = torch.searchsorted(cdf, total, right=False)                         # the last positive entry
-    return torch.minimum(idx, last)[:, 0]
+    index whose cumulative mass exceeds u x the row's total, never past the row's last positive entry.
+
+    Over a wide row in two levels, the same inverse CDF: the row's blocks of :data:`BLOCK` entries summed (a
+    reduction, several times cheaper than a cumulative sum over V), the block drawn from their cumulative sums,
+    then the entry inside it from the remainder of u x total.  Only the summation order differs from one cumulative
+    sum over the row, so a boundary moves by rounding at most; a zero entry or block is never drawn."""
+    B, V = probs.shape
+    n = V // BLOCK
+    if n < 4:
+        cdf = probs.cumsum(-1)
+        return _search(probs, u.to(cdf.dtype)[:, None] * cdf[:, -1:], cdf)[:, 0]
+    sums = probs[:, :n * BLOCK].unflatten(-1, (n, BLOCK)).sum(-1)              # [B, n]
+    if V > n * BLOCK:
+        sums = torch.cat([sums, probs[:, n * BLOCK:].sum(-1, keepdim=True)], -1)
+    cdf = sums.cumsum(-1)                                                      # [B, n(+1)]
+    want = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    blk = _search(sums, want, cdf)                                             # [B, 1]
+    rest = want - torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp(min=0)), 0.0)
+    at = blk * BLOCK + torch.arange(BLOCK, device=probs.device)                # [B, BLOCK]
+    inside = probs.gather(1, at.clamp(max=V - 1)).masked_fill(at >= V, 0.0)
+    return (blk * BLOCK + _search(inside, rest))[:, 0]
+
+
+def _search(probs: torch.Tensor, want: torch.Tensor, cdf: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of ``probs [B, W]``, the first index whose cumulative mass exceeds ``want [B, 1]``, never past the
+    row's last positive entry -> ``[B, 1]``."""
+    cdf = probs.cumsum(-1) if cdf is None else cdf
+    idx = torch.searchsorted(cdf, want.contiguous(), right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)     # the last positive entry
+    return torch.minimum(idx, last)
 
 
 class Draws:

@@ -67,6 +67,7 @@ class BatchedHandle(ABC):
     statistical: str | None = None   # which deterministic drafter: "maxgram" or "suffix" (strategies find theirs by it)
     proposes: bool = False           # implements propose_batch (a drafter)
     adaptive: bool = False           # implements propose_adaptive_batch (SpecDec++ drafting)
+    laws: bool = False               # propose_batch's ``law`` items answered with the laws the tokens were drawn from
     specdec_head: str | None = None  # the path of the SpecDec++ acceptance head it drafts with, if built
     memory: dict | None = None       # KV bytes per token, weights, device memory (the engine's KV budget)
 
@@ -94,8 +95,9 @@ class BatchedHandle(ABC):
 
     # -- optional (declared by ``proposes`` / ``adaptive``; the draft side's own call) ------------------
     def propose_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Sample k tokens autoregressively per item ``(rid, k[, rows])``; append them; tokens ``[k]``, logits
-        ``[k, V]`` (a handle may answer None where ``rows`` is False: the caller reads the tokens only)."""
+        """Sample k tokens autoregressively per item ``(rid, k[, rows[, law]])``; append them; tokens ``[k]``,
+        logits ``[k, V]`` (a handle may answer None where ``rows`` is False: the caller reads the tokens only; one
+        that declares ``laws`` answers ``law`` items with the probabilities the tokens were drawn from)."""
         raise UnsupportedCallError(self.name, "propose_batch")
 
     def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:

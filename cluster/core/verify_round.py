@@ -76,19 +76,20 @@ def _dtype(logits: torch.Tensor) -> torch.dtype:
 
 def _q_rows(items, rs: RowSampling, K: int, V: int, device, dtype):
     """(q, det [B]): the draft laws of rows that sample from a neural drafter, as :class:`Laws` over the
-    drafters' raw logits when every such row sent them (read only where the verifier needs them), else as
-    probabilities ``[B, K, V]``; None when no row needs one."""
+    drafters' raw logits (read only where the verifier needs them) or over the laws they drew from, when every
+    such row sent the one form, else as probabilities ``[B, K, V]``; None when no row needs one."""
     det = [it.block is None or it.block.form == "onehot" or it.sampling.greedy or not it.draft for it in items]
     need = [b for b, d in enumerate(det) if not d]
     det_t = torch.tensor(det, dtype=torch.bool, device=device) if any(det) else None
     if not need:
         return None, det_t
-    if all(items[b].block.form == "logits" for b in need):
+    forms = {items[b].block.form for b in need}
+    if forms == {"logits"} or forms == {"dense"}:     # one stack (none: a batched drafter's rows), q read lazily
         empty = torch.empty(0, V, dtype=dtype, device=device)
-        raw = stack_rows([empty if d else it.block.q[:len(it.draft)].to(device, dtype) for it, d in zip(items, det)])
-        if raw.shape[1] < K:
-            raw = torch.cat([raw, raw.new_zeros(len(items), K - raw.shape[1], V)], 1)
-        return Laws(raw, rs), det_t
+        rows = stack_rows([empty if d else it.block.q[:len(it.draft)].to(device, dtype) for it, d in zip(items, det)])
+        if rows.shape[1] < K:
+            rows = torch.cat([rows, rows.new_zeros(len(items), K - rows.shape[1], V)], 1)
+        return (Laws(rows, rs) if forms == {"logits"} else Laws(None, rs, probs=rows)), det_t
     q = torch.zeros(len(items), K, V, dtype=dtype, device=device)
     for b in need:
         blk, L = items[b].block, len(items[b].draft)

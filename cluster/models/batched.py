@@ -56,6 +56,7 @@ class BatchedHFWorker(BatchedHandle):
     """Hosts one causal LM for many requests; see :class:`cluster.core.interfaces.BatchedHandle`."""
 
     proposes = adaptive = True          # a neural drafter: samples its proposals (``deterministic`` stays False)
+    laws = True                         # and hands on the laws it drew them from (cluster.core.calls.ProposeItem)
 
     def __init__(self, model: torch.nn.Module, name: str, *, max_length: int | None = None):
         self.model = model.eval()
@@ -146,8 +147,8 @@ class BatchedHFWorker(BatchedHandle):
         return self.score_batch([(rid, draft)])[0]
 
     def propose_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Sample k_i tokens per row ``(rid, k_i[, rows])`` (max k_i forwards; rows drop out when done): tokens
-        [k_i], logits [k_i, V] (None where ``rows`` is False)."""
+        """Sample k_i tokens per row ``(rid, k_i[, rows[, law]])`` (max k_i forwards; rows drop out when done):
+        tokens [k_i], logits [k_i, V] (None where ``rows`` is False; with ``law``, the probabilities sampled)."""
         return self._draft([(rid, k, None, None, *keep) for rid, k, *keep in items])
 
     def propose_adaptive_batch(self, items: list[tuple]) -> list[tuple[list[int], torch.Tensor]]:
@@ -209,16 +210,18 @@ class BatchedHFWorker(BatchedHandle):
             self.prefix.release(req.slot)
 
     def _draft(self, items) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Rows (rid, k, head or None, DraftStop or None[, rows]): one forward per step over the rows still
+        """Rows (rid, k, head or None, DraftStop or None[, rows[, law]]): one forward per step over the rows still
         drafting, every row's token drawn in one batched call on the device (:func:`cluster.core.rejection.sample_batch`,
         counter-based draws keyed by the row's start and step); a row with a head stops by its rule, one without
-        after k tokens.  A row's logits ``[L, V]`` are gathered from the steps' outputs at the end, only for the
-        rows whose caller reads them (``rows`` False: None, no copy of V-wide rows)."""
+        after k tokens.  A row's logits ``[L, V]`` (with ``law``: the probabilities its tokens were drawn from)
+        are gathered from the steps' outputs at the end, only for the rows whose caller reads them (``rows``
+        False: None, no copy of V-wide rows); where every row ran every step, as views of one ``[B, L, V]``."""
         reqs = [self._get(rid) for rid, *_ in items]
         keep = [it[4] if len(it) > 4 else True for it in items]
+        law = [1 if len(it) > 5 and it[5] else 0 for it in items]       # which of a step's outputs row i reads
         out = [[] for _ in items]
         starts = [len(r.tokens) for r in reqs]
-        steps: list[tuple[dict[int, int], torch.Tensor]] = []        # per step: (row -> its line, logits [B_s, V])
+        steps: list[tuple] = []          # per step: (row -> its line, (logits [B_s, V], probabilities or None))
         live = [i for i, (_, k, *_) in enumerate(items) if k > 0]
         step = 0
         while live:
@@ -233,9 +236,10 @@ class BatchedHFWorker(BatchedHandle):
                                       mask_logits(last[cons], allowed.to(last.device)))  # rows stay as they are
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
-            toks = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)[0].tolist()
+            toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)
+            toks = toks.tolist()
             if any(keep[i] for i in live):
-                steps.append(({i: j for j, i in enumerate(live)}, last))
+                steps.append(({i: j for j, i in enumerate(live)}, (last, probs)))
             accept = self._accept_probs(items, live, hid, at) if step >= 2 and hid is not None else {}
             done = set()
             for j, (i, tok) in enumerate(zip(live, toks)):
@@ -248,9 +252,10 @@ class BatchedHFWorker(BatchedHandle):
             live = [i for i in live if i not in done]
         empty = torch.empty(0, self.vocab_size, device=self.device)
         if steps and all(len(at) == len(items) for at, _ in steps):    # every row in every step (row i: line i)
-            whole = torch.stack([lg for _, lg in steps], 1)                       # [B, k, V], row i a view of it
-            return [(toks, whole[i] if keep[i] else None) for i, toks in enumerate(out)]
-        return [(toks, (torch.stack([lg[at[i]] for at, lg in steps[:len(toks)]]) if toks else empty)
+            whole = {w: torch.stack([rows[w] for _, rows in steps], 1)           # [B, k, V], row i a view of it
+                     for w in {law[i] for i in range(len(items)) if keep[i]}}
+            return [(toks, whole[law[i]][i] if keep[i] else None) for i, toks in enumerate(out)]
+        return [(toks, (torch.stack([rows[law[i]][at[i]] for at, rows in steps[:len(toks)]]) if toks else empty)
                  if keep[i] else None) for i, toks in enumerate(out)]
 
     @staticmethod

@@ -8,7 +8,7 @@ import torch
 
 from cluster.core.draft.side import DraftSide
 from cluster.core.draft.programs import DRAFTS, DraftSpec, pack_block
-from cluster.core.sampling import SamplingParams, logits_to_probs
+from cluster.core.sampling import Rng, SamplingParams, logits_to_probs
 from cluster.engine.request import GenerationRequest
 from cluster.models.maxgram import MagHandle
 from cluster.strategies import resolve_options
@@ -58,6 +58,22 @@ def test_overlap_keeps_the_target_law_exactly(strategy, opts, sampling):
     got = steps_law(strategy, resolve_options(strategy, opts, {}), models, "target", [0, 1], sampling, 3, 4,
                     overlap=True)
     assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=2)])
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_a_drafter_that_hands_on_its_laws_keeps_the_target_law_exactly(sampling, verify):
+    """A drafter that hands on the probabilities it drew from (``laws``, as the batched worker does): q is read
+    from them, not recomputed from logits, and the first three tokens still follow the target exactly."""
+    target, d = TabularModel("target", 3, seed=5), TabularModel("d", 3, seed=6, zeros=True, laws=True)
+    opts = resolve_options("speculative", dict(drafter="d", k=2, verify=verify), {})
+    got = steps_law("speculative", opts, {"target": target, "d": d}, "target", [0, 1], sampling, 3, 4)
+    assert max_abs_diff(got, target_joint(target, [0, 1], 3, sampling)) < 1e-9
+    side = DraftSide({"d": d}, sampled=True)
+    side.prefill_batch([("r", [0, 1], sampling, 0)])
+    d.rng = Rng(0)
+    block = side.draft_batch([("r", DraftSpec("propose", ("d",)), 2, 2)])[0]
+    assert block.form == "dense" and block.q.dtype == torch.float64          # q as drawn, no logits
 
 
 def test_overlap_keeps_the_cascade_law_exactly():

@@ -256,3 +256,25 @@ def test_stack_rows_reuses_a_batch_it_was_cut_from():
     assert torch.equal(moved, torch.nn.utils.rnn.pad_sequence(rows[::-1], batch_first=True))
     same = stack_rows([batch[2, :3], batch[0, :3]])
     assert torch.equal(same, torch.stack([batch[2, :3], batch[0, :3]]))
+
+
+def test_inverse_cdf_in_two_levels_is_the_one_level_draw():
+    """A wide row is drawn block by block: the same index as one cumulative sum over the row (float64, seeded u:
+    no u falls within rounding of a boundary), zero entries and whole zero blocks never drawn, u = 0 and u -> 1
+    landing on the first and last positive entries."""
+    g = torch.Generator().manual_seed(3)
+    V = 5 * 1024 + 300                                                 # five whole blocks and a tail
+    probs = torch.rand(64, V, generator=g, dtype=F64) * (torch.rand(64, V, generator=g) < 0.3)
+    probs[:, :2048] = 0.0                                              # two empty leading blocks
+    probs[1::2, 4000:] = 0.0                                           # half the rows end inside a block
+    u = torch.rand(64, generator=g, dtype=F64)
+    cdf = probs.cumsum(-1)
+    one = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, one)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
+    first = (probs > 0).long().argmax(-1)
+    last = V - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+    assert torch.equal(inverse_cdf(probs, torch.zeros(64, dtype=F64)), first)
+    assert torch.equal(inverse_cdf(probs, torch.full((64,), 1 - 2 ** -53, dtype=F64)), last)
+    assert torch.equal(inverse_cdf(probs.float(), torch.full((64,), 1 - 2 ** -24)), last)

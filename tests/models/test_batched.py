@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams, logits_to_probs
+from cluster.core.verify_round import stack_rows
 from cluster.models.batched import BatchedHFWorker
 from cluster.models import slot_cache
 from cluster.models.head import AcceptanceHead
@@ -111,6 +112,25 @@ def test_propose_batch_rows_only_where_asked():
     assert [t for t, _ in full] == [t for t, _ in part]
     assert part[0][1] is None and part[2][1] is None
     assert torch.equal(part[1][1], full[1][1]) and part[1][1].shape == (5, 257)
+
+
+def test_propose_batch_hands_on_the_laws_it_drew_from():
+    """``law`` rows are the probabilities each token was drawn from (the row's logits under its sampling), with
+    the same tokens; where every row ran every step they are rows of one batch, which the verifier's stack takes
+    as it is (no copy)."""
+    outs = []
+    for law in (False, True):
+        bw, _ = make("mha")
+        for i, rid in enumerate("abc"):
+            bw.prefill(rid, prompt(4 + 7 * i, i), SAMPLED, 100 + i)
+        outs.append(bw.propose_batch([(rid, 3, True, law) for rid in "abc"]))
+    (logits, laws) = outs
+    assert [t for t, _ in logits] == [t for t, _ in laws]
+    for (_, lg), (toks, q) in zip(logits, laws):
+        close(q, logits_to_probs(lg, SAMPLED).float())
+        assert bool((q.gather(1, torch.tensor(toks)[:, None]) > 0).all())
+    stacked = stack_rows([q for _, q in laws])
+    assert stacked.data_ptr() == laws[0][1].data_ptr() and stacked.shape == (3, 3, 257)
 
 
 def test_propose_adaptive_batch_matches_single_requests():

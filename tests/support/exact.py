@@ -81,14 +81,15 @@ class TabularModel(PerRequestHandle):
     forms, batched by :class:`cluster.core.interfaces.PerRequestHandle` as every test double is).
 
     ``propose`` draws from the shared ``rng`` the test gives it (an :class:`EnumRng` when
-    enumerating), so the drafter's randomness is enumerated too.
+    enumerating), so the drafter's randomness is enumerated too.  ``laws``: it answers ``law`` proposals with
+    the probabilities it drew from, as the batched worker does.
     """
 
     proposes = True
 
-    def __init__(self, name: str, vocab: int, seed: int, zeros: bool = False, rng=None):
+    def __init__(self, name: str, vocab: int, seed: int, zeros: bool = False, rng=None, laws: bool = False):
         self.name, self.vocab_size, self.max_length, self.num_params = name, vocab, 64, 1
-        self.seed, self.zeros, self.rng = seed, zeros, rng
+        self.seed, self.zeros, self.rng, self.laws = seed, zeros, rng, laws
         self.seqs: dict[str, list[int]] = {}
         self.sampling = {}
         self.forwards = 0
@@ -119,6 +120,15 @@ class TabularModel(PerRequestHandle):
             logits.append(lg)
         self.forwards += k
         return out, torch.stack(logits) if logits else torch.empty(0, self.vocab_size)
+
+    def propose_batch(self, items):
+        from cluster.core.sampling import logits_to_probs
+        out = []
+        for rid, k, *rest in items:
+            toks, lg = self.propose(rid, k)
+            law = self.laws and len(rest) > 1 and rest[1] and len(toks)
+            out.append((toks, logits_to_probs(lg, self.sampling[rid]) if law else lg))
+        return out
 
     def score(self, rid, draft):
         seq = self.seqs[rid]

@@ -56,7 +56,8 @@ class DraftBlock:
                        ``onehot``: None (greedy or deterministic drafting: q_i is the one-hot of x_i);
                        ``sparse``: float64 probabilities on ``support`` [L, S] (top-k / top-p: S << V);
                        ``logits``: raw logits [L, V] as the model gave them (the receiver applies the request's sampling,
-                       as the drafter did); ``dense``: float64 probabilities [L, V] (a cascade's pi rows)
+                       as the drafter did); ``dense``: probabilities [L, V] (a cascade's pi rows in float64,
+                       or the laws a batched drafter drew from, in its dtype on its device)
     support   [L, S]   int64 token ids of the sparse rows (None otherwise)
     forwards           drafter name -> forward passes spent on this block (the request's statistics)
     """
@@ -78,7 +79,7 @@ class DraftBlock:
             return torch.zeros(L, vocab_size, dtype=torch.float64).scatter(1, self.support, self.q)
         if self.form == "logits":
             return logits_to_probs(self.q, sampling)
-        return self.q
+        return self.q.to(torch.float64)
 
     def nbytes(self) -> int:
         """Payload bytes on the wire (8 per token id)."""
@@ -95,15 +96,18 @@ class DraftBlock:
 
 def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingParams, *,
                logits: torch.Tensor | None = None, onehot: bool = False, forwards=None) -> DraftBlock:
-    """The smallest exact form of a block: tokens alone for greedy or deterministic drafting; the raw logits
-    where the law has full support (temperature alone: q is never computed here, the verifier computes it in its
-    batched call); the truncated support where top-k / top-p leave few tokens; else the raw logits (when q came
-    from them, computed from ``logits`` when not given) or q."""
+    """The smallest exact form of a block: tokens alone for greedy or deterministic drafting; where the law has
+    full support (temperature alone), the raw logits (the verifier computes q in its batched call), or q as the
+    drafter drew from it when only q is given; the truncated support where top-k / top-p leave few tokens; else
+    the raw logits (when q came from them, computed from ``logits`` when not given) or q."""
     forwards = dict(forwards or {})
     if not tokens or onehot or sampling.greedy or (q is None and logits is None):
         return DraftBlock(list(tokens), "onehot", forwards=forwards)
-    if logits is not None and not sampling.top_k and sampling.top_p >= 1.0:    # full support: the raw logits
+    full = not sampling.top_k and sampling.top_p >= 1.0
+    if logits is not None and full:                         # full support: the raw logits
         return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)
+    if full:                                                # the drafter's own law (a batch's rows: views kept)
+        return DraftBlock(list(tokens), "dense", q.contiguous(), None, forwards)
     if q is None:
         q = logits_to_probs(logits, sampling)
     V = q.shape[-1]
@@ -113,7 +117,7 @@ def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingPara
         return DraftBlock(list(tokens), "sparse", vals.contiguous(), ids.contiguous(), forwards)
     if logits is not None:
         return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)   # as computed (float32 models)
-    return DraftBlock(list(tokens), "dense", q.to(torch.float64).contiguous(), None, forwards)
+    return DraftBlock(list(tokens), "dense", q.contiguous(), None, forwards)
 
 
 @dataclass
@@ -155,6 +159,9 @@ class DraftCtx:
     def deterministic(self, name: str) -> bool:
         return self.members[name].deterministic
 
+    def laws(self, name: str) -> bool:
+        return bool(getattr(self.members[name], "laws", False))
+
 
 def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stoppable: bool = False):
     """The program for ``spec`` continuing committed + ``work``, at most ``limit`` tokens -> DraftBlock.
@@ -167,11 +174,12 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
     want = not dc.sampling.greedy or dc.alts > 0        # a greedy block travels as tokens; its bets need the rows
+    law = not dc.sampling.greedy and dc.laws(name)      # q as the drafter drew it: no softmax at verification
     if spec.kind == "propose" and stoppable and not dc.deterministic(name):
         toks, rows = [], []
         while len(toks) < limit:
             dc.sync(name, work + toks)
-            got, lg = yield Propose(name, 1, want)                        # [1], [1, V] or None
+            got, lg = yield Propose(name, 1, want, law)                   # [1], [1, V] or None
             got = [int(t) for t in got]
             dc.held(name, work + toks + got)
             toks, rows = toks + got, rows + [lg]
@@ -181,7 +189,8 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         logits = torch.cat(rows) if want and rows else None
     else:
         dc.sync(name, work)
-        call = Propose(name, limit, want) if spec.kind == "propose" else \
+        law = law and spec.kind == "propose"
+        call = Propose(name, limit, want, law) if spec.kind == "propose" else \
             ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
         toks, logits = yield call                                         # [L], [L, V]
     toks = list(toks)
@@ -191,7 +200,8 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     if onehot:
         toks = dc.grammar_cut(work, toks)                                 # neural drafters sampled masked
         logits = None if logits is None else logits[:len(toks)]
-    block = pack_block(toks, None, dc.sampling, logits=logits, onehot=onehot, forwards=dc.forwards)
+    block = pack_block(toks, logits if law else None, dc.sampling, logits=None if law else logits, onehot=onehot,
+                       forwards=dc.forwards)
     return block if onehot else _with_alts(block, logits, dc.alts)
 
 
