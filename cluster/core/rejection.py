@@ -92,11 +92,12 @@ def _scaled(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     return (x - x.amax(-1, keepdim=True)) / t
 
 
-def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
-    """The sampling law of every row: ``logits [B, ..., V]`` -> probabilities, in ``rs``' dtype.  Row b is
-    exactly :func:`cluster.core.sampling.logits_to_probs` under row b's settings (temperature, then top-k on
-    the scaled logits, softmax, then the smallest top-p prefix); a greedy row's law is left unscaled (its
-    callers take the argmax instead)."""
+def probs_batch(logits: torch.Tensor, rs: RowSampling, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampling law of every row: ``logits [B, ..., V]`` -> probabilities, in ``rs``' dtype (written into
+    ``out`` where given: a caller's slice of a larger buffer).  Row b is exactly
+    :func:`cluster.core.sampling.logits_to_probs` under row b's settings (temperature, then top-k on the scaled
+    logits, softmax, then the smallest top-p prefix); a greedy row's law is left unscaled (its callers take the
+    argmax instead)."""
     x = _scaled(logits, rs)
     V = x.shape[-1]
     if rs.max_top_k:
@@ -105,27 +106,28 @@ def probs_batch(logits: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         kth = top.gather(-1, k - 1)                                            # [B, ..., 1]
         off = _per_row(rs.top_k >= V, x)
         x = x.masked_fill((x < kth) & ~off, float("-inf"))
+    if not rs.any_top_p:
+        return torch.softmax(x, dim=-1) if out is None else torch.softmax(x, dim=-1, out=out)
     probs = torch.softmax(x, dim=-1)
-    if rs.any_top_p:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        top_p = _per_row(rs.top_p, probs)
-        drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
-        drop[..., 0] = False                      # the top token always stays (a top_p below the dtype's range)
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    top_p = _per_row(rs.top_p, probs)
+    drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
+    drop[..., 0] = False                          # the top token always stays (a top_p below the dtype's range)
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return probs if out is None else out.copy_(probs)
 
 
 # -- sampling and verification --------------------------------------------------------------------------
 def sample_batch(logits: torch.Tensor, rs: RowSampling, draws: Draws, offset: int = 0,
-                 purpose: int = FINAL) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 purpose: int = FINAL, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row of ``logits [B, V]``: the argmax for greedy rows, a draw from the row's law for the
-    others -> (tokens [B], the laws [B, V] or None when every row is greedy)."""
+    others -> (tokens [B], the laws [B, V] (in ``out`` where given) or None when every row is greedy)."""
     arg = logits.argmax(-1) if rs.n_greedy else None
     if rs.all_greedy:
         return arg, None
-    probs = probs_batch(logits, rs)
+    probs = probs_batch(logits, rs, out)
     tok = draws.categorical(probs, ~rs.greedy, purpose, offset)
     return (tok if arg is None else torch.where(rs.greedy, arg, tok)), probs
 

@@ -223,6 +223,10 @@ class BatchedHFWorker(BatchedHandle):
         starts = [len(r.tokens) for r in reqs]
         steps: list[tuple] = []          # per step: (row -> its line, (logits [B_s, V], probabilities or None))
         live = [i for i, (_, k, *_) in enumerate(items) if k > 0]
+        ks = {it[1] for it in items}
+        laws = None             # every row k steps (no stopping rule): the laws drawn straight into [B, k, V]
+        if any(law) and len(ks) == 1 and min(ks) > 0 and all(it[3] is None for it in items):
+            laws = torch.empty(len(items), min(ks), self.vocab_size, device=self.device)
         step = 0
         while live:
             step += 1
@@ -236,7 +240,8 @@ class BatchedHFWorker(BatchedHandle):
                                       mask_logits(last[cons], allowed.to(last.device)))  # rows stay as they are
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
-            toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT)
+            toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
+                                       out=None if laws is None else laws[:, step - 1])
             toks = toks.tolist()
             if any(keep[i] for i in live):
                 steps.append(({i: j for j, i in enumerate(live)}, (last, probs)))
@@ -252,8 +257,8 @@ class BatchedHFWorker(BatchedHandle):
             live = [i for i in live if i not in done]
         empty = torch.empty(0, self.vocab_size, device=self.device)
         if steps and all(len(at) == len(items) for at, _ in steps):    # every row in every step (row i: line i)
-            whole = {w: torch.stack([rows[w] for _, rows in steps], 1)           # [B, k, V], row i a view of it
-                     for w in {law[i] for i in range(len(items)) if keep[i]}}
+            whole = {w: laws if w and laws is not None else torch.stack([rows[w] for _, rows in steps], 1)
+                     for w in {law[i] for i in range(len(items)) if keep[i]}}      # [B, k, V]: row i a view
             return [(toks, whole[law[i]][i] if keep[i] else None) for i, toks in enumerate(out)]
         return [(toks, (torch.stack([rows[law[i]][at[i]] for at, rows in steps[:len(toks)]]) if toks else empty)
                  if keep[i] else None) for i, toks in enumerate(out)]
