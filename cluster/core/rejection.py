@@ -64,11 +64,6 @@ class RowSampling:
                    all(g or p.temperature == 1.0 for g, p in zip(greedy, params)))
 
     @property
-    def filters(self) -> bool:
-        """Some row's law is truncated (top-k or top-p): its probabilities need the whole row sorted or ranked."""
-        return bool(self.max_top_k or self.any_top_p)
-
-    @property
     def rows(self) -> int:
         return int(self.temperature.shape[0])
 

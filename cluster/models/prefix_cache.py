@@ -95,7 +95,3 @@ class PrefixIndex:
         old, _ = self.free.popitem(last=False)
         self.forget(old)
         return old
-
-    @property
-    def cached_blocks(self) -> int:
-        return len(self._slot_of)
