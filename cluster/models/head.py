@@ -40,6 +40,11 @@ class AcceptanceHead(nn.Module):
             x = x + nn.functional.silu(lin(x))
         return self.out(x).squeeze(-1)
 
+    @torch.inference_mode()
+    def accept_prob(self, e: torch.Tensor) -> float:
+        """sigmoid(f(e)) for one hidden state ``e [H]``."""
+        return float(torch.sigmoid(self(e.float())))
+
 
 # -- persistence --------------------------------------------------------------------------------
 def save_head(head: AcceptanceHead, path: str | Path, meta: dict | None = None) -> Path:

@@ -44,6 +44,10 @@ class CallTiming:
     hit_compute_s: float = 0.0
     disordered: int = 0          # calls whose stamps were not sent <= entry <= exit <= received (clocks differ)
 
+    @property
+    def rpc_s(self) -> float:
+        return max(0.0, self.wall_s - self.compute_s)
+
     def add(self, sent: float, received: float, st: StepTime, nbytes_in: int) -> None:
         self.calls += 1
         self.wall_s += received - sent
