@@ -102,7 +102,7 @@ def probs_batch(logits: torch.Tensor, rs: RowSampling, out: torch.Tensor | None 
         off = _per_row(rs.top_k >= V, x)
         x = x.masked_fill((x < kth) & ~off, float("-inf"))
     if not rs.any_top_p:
-        return torch.softmax(x, dim=-1) if out is None else torch.softmax(x, dim=-1, out=out)
+        return torch.softmax(x, dim=-1, out=out)
     probs = torch.softmax(x, dim=-1)
     sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
     top_p = _per_row(rs.top_p, probs)
@@ -165,12 +165,13 @@ class Laws:
         return pick_rows(self.full(), idx)
 
 
-def pick_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x [B, n, V]``, ``idx [B]`` -> ``x[b, idx_b]`` ``[B, V]``: whole rows copied by ``index_select`` over
-    ``x``'s rows as one ``[*, V]`` view where its layout allows (a slice of a longer ``[B, n', V]`` too);
-    advanced indexing walks the elements, several times slower over V-wide rows on the CPU."""
+def pick_rows(x: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [B, n, V]``, ``idx [R]`` -> ``x[rows_r, idx_r]`` ``[R, V]`` (``rows`` default: 0..B-1): whole rows
+    copied by ``index_select`` over ``x``'s rows as one ``[*, V]`` view where its layout allows (a slice of a
+    longer ``[B, n', V]`` too); advanced indexing walks the elements, several times slower over V-wide rows on
+    the CPU."""
     B, n, V = x.shape
-    rows = torch.arange(B, device=idx.device)
+    rows = torch.arange(B, device=idx.device) if rows is None else rows
     if not (B and n and x.stride(2) == 1 and x.stride(1) == V and x.stride(0) % V == 0):
         return x[rows, idx]
     m = x.stride(0) // V                                          # rows of V between two requests' first rows

@@ -31,7 +31,7 @@ from cluster.core.constraint import mask_logits
 from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.draws import DRAFT, CounterDraws
-from cluster.core.rejection import RowSampling, sample_batch
+from cluster.core.rejection import RowSampling, pick_rows, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import verify_round
 from cluster.models.head import resolve_head
@@ -339,9 +339,8 @@ class BatchedHFWorker(BatchedHandle):
 def _last_rows(logits: torch.Tensor, at: list[tuple[int, int]]) -> torch.Tensor:
     """Each request's last fed position of the padded ``logits [B, n, V]`` (``at``: per request (its row there,
     n_b)) -> ``[B, V]``: a view where the requests are the rows in order and fed alike (a drafting step), else
-    whole rows picked (``index_select`` copies rows; advanced indexing walks the elements)."""
+    whole rows picked (:func:`cluster.core.rejection.pick_rows`)."""
     rows, last = [b for b, _ in at], [n - 1 for _, n in at]
     if rows == list(range(logits.shape[0])) and len(set(last)) == 1:
         return logits[:, last[0]]
-    flat = torch.tensor([b * logits.shape[1] + j for b, j in zip(rows, last)], device=logits.device)
-    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
+    return pick_rows(logits, torch.tensor(last, device=logits.device), torch.tensor(rows, device=logits.device))

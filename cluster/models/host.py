@@ -15,7 +15,6 @@ glibc nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 import torch
@@ -34,14 +33,10 @@ def setup_process(threads: int) -> None:
 
 def keep_freed_memory() -> bool:
     """glibc's malloc set to keep what the process frees (module docstring) -> whether it was (False: not glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    libc = ctypes.CDLL(None)                    # the process's own symbols (no search for the library on disk)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
+    mallopt = libc.mallopt
     for param, (env, value) in _KEEP.items():
         if env in os.environ:                   # the operator's choice: glibc read it when the process started
             continue

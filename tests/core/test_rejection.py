@@ -239,6 +239,8 @@ def test_pick_rows_is_advanced_indexing_whatever_the_layout():
     rows = torch.arange(5)
     for x in (whole, whole[:, :4], whole[:1].expand(5, 6, 7), whole.transpose(0, 1)[:5, :4]):
         assert torch.equal(pick_rows(x, idx), x[rows, idx])
+        picked = torch.tensor([4, 0, 0, 2])                          # other rows, in any order
+        assert torch.equal(pick_rows(x, idx[:4], picked), x[picked, idx[:4]])
 
 
 def test_stack_rows_reuses_a_batch_it_was_cut_from():

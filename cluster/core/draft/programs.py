@@ -160,7 +160,7 @@ class DraftCtx:
         return self.members[name].deterministic
 
     def laws(self, name: str) -> bool:
-        return bool(getattr(self.members[name], "laws", False))
+        return self.members[name].laws
 
 
 def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stoppable: bool = False):
@@ -174,7 +174,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
     want = not dc.sampling.greedy or dc.alts > 0        # a greedy block travels as tokens; its bets need the rows
-    law = not dc.sampling.greedy and dc.laws(name)      # q as the drafter drew it: no softmax at verification
+    law = spec.kind == "propose" and not dc.sampling.greedy and dc.laws(name)   # q as drawn: no softmax to verify
     if spec.kind == "propose" and stoppable and not dc.deterministic(name):
         toks, rows = [], []
         while len(toks) < limit:
@@ -189,7 +189,6 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         logits = torch.cat(rows) if want and rows else None
     else:
         dc.sync(name, work)
-        law = law and spec.kind == "propose"
         call = Propose(name, limit, want, law) if spec.kind == "propose" else \
             ProposeAdaptive(name, limit, spec.head, spec.threshold, spec.eos)
         toks, logits = yield call                                         # [L], [L, V]
