@@ -94,9 +94,11 @@ def tokens_only(method: str, out):
     return out
 
 
-def expand_onehot(method: str, out, vocab_size: int):
+def expand_onehot(method: str, out, vocab_size: int, items: list | None = None):
+    """The one-hot rows back, for the items that asked for rows (a propose item's ``rows``; default: all)."""
     if method in ("propose_batch", "propose_adaptive_batch"):
-        return [(toks, onehot_logits(toks, vocab_size)) for toks, _ in out]
+        asked = [method == "propose_adaptive_batch" or len(it) < 3 or bool(it[2]) for it in items or [()] * len(out)]
+        return [(toks, onehot_logits(toks, vocab_size) if want else None) for (toks, _), want in zip(out, asked)]
     if method == "score_batch":
         return [onehot_logits(preds, vocab_size) for preds in out]
     return out

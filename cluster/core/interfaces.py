@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cluster.core.sampling import SamplingParams
+from cluster.core.sampling import SamplingParams, onehot_logits
 from cluster.core.verify_round import stack_rows, verify_round
 
 
@@ -167,6 +167,31 @@ class PerRequestHandle(BatchedHandle):
 
     def propose_adaptive_batch(self, items) -> list[tuple[list[int], torch.Tensor]]:
         return [self.propose_adaptive(rid, *rest) for rid, *rest in items]
+
+
+class DeterministicDrafter(PerRequestHandle):
+    """A drafter that proposes each token with probability 1 (the Max-Gram and suffix drafters): it writes
+    :meth:`draft_tokens`, and its one-hot rows (q, 0 at the token and -inf elsewhere) are built only for a
+    caller that asks for rows (CS Drafting's reviews read them); a verifier reads the tokens alone, so at a
+    production vocabulary no ``[k, V]`` row is made per request per step."""
+
+    deterministic = True
+    proposes = True
+
+    @abstractmethod
+    def draft_tokens(self, rid: str, k: int) -> list[int]:
+        """At most ``k`` draft tokens continuing what the handle holds for ``rid``; appended to it."""
+
+    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
+        toks = self.draft_tokens(rid, k)
+        return toks, onehot_logits(toks, self.vocab_size)                # [L <= k], [L, V]
+
+    def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor | None]]:
+        out = []
+        for rid, k, *rest in items:
+            toks = self.draft_tokens(rid, k)
+            out.append((toks, onehot_logits(toks, self.vocab_size) if (rest[0] if rest else True) else None))
+        return out
 
 
 class TextStream(Protocol):

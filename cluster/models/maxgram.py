@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.core.interfaces import PerRequestHandle, UnknownRequestError
+from cluster.core.interfaces import DeterministicDrafter, UnknownRequestError
 from cluster.core.maxgram import DEFAULT_MAX_NGRAM, MaxGramIndex
 from cluster.core.sampling import SamplingParams, onehot_logits
 
@@ -25,20 +25,18 @@ def load_bigram(path: str | Path) -> np.ndarray:
 
 
 # -- MaG as a model handle ----------------------------------------------------------------------
-class MagHandle(PerRequestHandle):
+class MagHandle(DeterministicDrafter):
     """The MaG drafter behind the :class:`cluster.core.interfaces.BatchedHandle` interface (per-request work:
     the batched forms come from :class:`cluster.core.interfaces.PerRequestHandle`).
 
-    ``propose`` returns one-hot logits ``[k, V]`` (0 at the proposed token, -inf elsewhere) so the
-    core verifies against a deterministic drafter; ``score`` returns MaG's one-hot prediction at each
+    Its proposals are deterministic (:class:`cluster.core.interfaces.DeterministicDrafter`: one-hot rows only
+    where a caller asks for them); ``score`` returns MaG's one-hot prediction at each
     of the L+1 positions (MaG as a deterministic "model").  ``num_params`` is the bigram table size
     (Chen et al., *Cascade Speculative Drafting for Even Faster LLM Inference*, section 5.2: "a bigram
     model with parameters equal to the tokenizer size"), so the standardized walltime improvement charges
     it (almost) nothing.
     """
 
-    deterministic = True          # one-hot proposals (see cluster.core.interfaces)
-    proposes = True
     statistical = "maxgram"
 
     def __init__(self, vocab_size: int, bigram: np.ndarray | None = None, *, name: str = "mag",
@@ -69,11 +67,11 @@ class MagHandle(PerRequestHandle):
             raise ValueError("prefill needs at least one token")
         self._requests[rid] = MaxGramIndex(ids, self.max_ngram, self.occurrence)
 
-    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
+    def draft_tokens(self, rid: str, k: int) -> list[int]:
         idx = self._get(rid)
         toks = idx.predict(k, self.bigram)
         idx.extend(toks)
-        return toks, self._onehot(toks)                                # [k], [k, V]
+        return toks                                                    # [k]
 
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         idx = self._get(rid)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.core.calls import PrefillItem
-from cluster.core.interfaces import PerRequestHandle, UnknownRequestError, UnsupportedCallError
-from cluster.core.sampling import SamplingParams, onehot_logits
+from cluster.core.interfaces import DeterministicDrafter, UnknownRequestError, UnsupportedCallError
+from cluster.core.sampling import SamplingParams
 from cluster.core.suffix import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_TOKENS,
@@ -24,11 +24,11 @@ class _Req:
     salt: str
 
 
-class SuffixHandle(PerRequestHandle):
-    """Oliaro et al.'s SuffixDecoding drafter (:mod:`cluster.core.suffix`) as a deterministic drafter: ``propose``
-    returns one-hot logits (q one-hot, verification exact) of at most k tokens -- as many as the index's
-    frequencies support, none where nothing was seen -- and the handle never scores (it drafts only as a bottom
-    drafter).
+class SuffixHandle(DeterministicDrafter):
+    """Oliaro et al.'s SuffixDecoding drafter (:mod:`cluster.core.suffix`) as a deterministic drafter
+    (:class:`cluster.core.interfaces.DeterministicDrafter`: q one-hot, verification exact) of at most k
+    tokens -- as many as the index's frequencies support, none where nothing was seen -- and the handle never
+    scores (it drafts only as a bottom drafter).
 
     Each request is one document of the index under its ``cache_salt`` (the prefill item's ``salt``): its prompt
     is indexed at prefill, its sequence as the handle holds it at each proposal (its own proposals are not indexed:
@@ -36,8 +36,6 @@ class SuffixHandle(PerRequestHandle):
     for later requests until evicted.  The draft side tells it the committed sequence before releasing it
     (:meth:`cluster.core.draft.side.DraftSide.release`).  ``num_params`` is 0: a proposal costs no model."""
 
-    deterministic = True          # one-hot proposals (see cluster.core.interfaces)
-    proposes = True
     statistical = "suffix"        # which deterministic drafter (cluster/strategies/suffix.py finds it by this)
 
     def __init__(self, vocab_size: int, *, name: str = "suffix", max_depth: int = DEFAULT_MAX_DEPTH,
@@ -75,12 +73,12 @@ class SuffixHandle(PerRequestHandle):
         req = self._requests[rid] = _Req(list(ids), self._docs, salt)
         self.index.sync(req.doc, salt, req.seq)
 
-    def propose(self, rid: str, k: int) -> tuple[list[int], torch.Tensor]:
+    def draft_tokens(self, rid: str, k: int) -> list[int]:
         req = self._get(rid)
         self.index.sync(req.doc, req.salt, req.seq)
         toks = self.index.draft(req.doc, k, min_prob=self.min_prob, spec_factor=self.spec_factor)
         req.seq.extend(toks)
-        return toks, onehot_logits(toks, self.vocab_size)               # [L <= k], [L, V]
+        return toks                                                     # [L <= k]
 
     def score(self, rid: str, draft: list[int]) -> torch.Tensor:
         raise UnsupportedCallError(self.name, "score")

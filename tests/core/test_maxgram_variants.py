@@ -72,3 +72,30 @@ def test_mag_strategy_exact_for_both_readings(occurrence, max_ngram):
                                                        options={"k": 3})).token_ids)
 
     assert max_abs_diff(enumerate_outcomes(run), target_joint(target, [0, 1, 2, 0, 1, 0, 1], 3)) < 1e-9
+
+
+def test_deterministic_drafters_build_one_hot_rows_only_where_asked():
+    """A verifier reads a deterministic drafter's tokens alone: a propose item with ``rows`` False gets no
+    ``[k, V]`` row (at 128k entries that is half a megabyte per token per request), one with rows its one-hot
+    rows, the same tokens either way; across processes, the rows are rebuilt only where they were asked."""
+    import torch
+
+    from actors.protocol import expand_onehot, tokens_only
+    from cluster.core.calls import ProposeItem
+    from cluster.models.suffix import SuffixHandle
+
+    for make in (lambda: MagHandle(50), lambda: SuffixHandle(50)):
+        a, b = make(), make()
+        for h in (a, b):
+            h.prefill("r", [3, 4, 5, 3, 4, 5, 3, 4])
+        bare = a.propose_batch([ProposeItem("r", 3, rows=False)])
+        full = b.propose_batch([ProposeItem("r", 3)])
+        assert bare[0][1] is None
+        assert bare[0][0] == full[0][0] and full[0][0]
+        toks, rows = full[0]
+        assert rows.shape == (len(toks), 50)
+        assert torch.equal(rows.argmax(-1), torch.tensor(toks)) and torch.isinf(rows).sum() == len(toks) * 49
+        items = [ProposeItem("r", 3, rows=False), ProposeItem("s", 3)]
+        sent = tokens_only("propose_batch", [full[0], full[0]])
+        back = expand_onehot("propose_batch", sent, 50, items)
+        assert back[0][1] is None and torch.equal(back[1][1], rows)

@@ -173,7 +173,8 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
         q = torch.stack(qs) if qs else None
         return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
-    want = not dc.sampling.greedy or dc.alts > 0        # a greedy block travels as tokens; its bets need the rows
+    # a greedy block travels as tokens, its bets need the rows; a deterministic drafter's q is its tokens
+    want = (not dc.sampling.greedy or dc.alts > 0) and not dc.deterministic(name)
     law = spec.kind == "propose" and not dc.sampling.greedy and dc.laws(name)   # q as drawn: no softmax to verify
     if spec.kind == "propose" and stoppable and not dc.deterministic(name):
         toks, rows = [], []

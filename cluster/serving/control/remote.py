@@ -151,4 +151,4 @@ class RemoteHandle(BatchedHandle):
         self.timing.add(sent, received, st, size)
         self.per_method.setdefault(method, CallTiming()).add(sent, received, st, size)
         out = unpack(out)
-        return expand_onehot(method, out, self.vocab_size) if self.deterministic else out
+        return expand_onehot(method, out, self.vocab_size, items) if self.deterministic else out
