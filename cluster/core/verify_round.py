@@ -59,15 +59,18 @@ def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _common_base(rows: list[torch.Tensor]) -> torch.Tensor | None:
-    """The ``[B, n, V]`` tensor whose row b ``rows[b]`` is a leading slice of, else None."""
+    """The ``[B, n, V]`` tensor (or ``[n, B, V]`` one, transposed) whose row b ``rows[b]`` is a leading slice
+    of, else None."""
     base = rows[0]._base if rows else None
-    if base is None or base.dim() != 3 or base.shape[0] != len(rows):
+    if base is None or base.dim() != 3:
         return None
-    for b, r in enumerate(rows):
-        if r._base is not base or r.dim() != 2 or r.shape[0] > base.shape[1] or r.shape[1] != base.shape[2] \
-                or r.stride() != base.stride()[1:] or r.storage_offset() != base.storage_offset() + b * base.stride(0):
-            return None
-    return base
+    for cand in (base, base.transpose(0, 1)):
+        if cand.shape[0] == len(rows) and all(
+                r._base is base and r.dim() == 2 and r.shape[0] <= cand.shape[1] and r.shape[1] == cand.shape[2]
+                and r.stride() == cand.stride()[1:] and r.storage_offset() == cand.storage_offset() + b * cand.stride(0)
+                for b, r in enumerate(rows)):
+            return cand
+    return None
 
 
 def _dtype(logits: torch.Tensor) -> torch.dtype:

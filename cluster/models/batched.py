@@ -116,8 +116,8 @@ class BatchedHFWorker(BatchedHandle):
             for donor, slot, hit in copies:
                 self._cache.copy_prefix(donor, slot, hit)
         todo = [r for r in reqs if r.cached < len(r.tokens) - 1]
-        if todo:
-            self._forward(todo, ends=[len(r.tokens) - 1 for r in todo])
+        if todo:                 # KV only: the LM head runs at one position ([B, P, V] logits at 128k: GBs)
+            self._forward(todo, ends=[len(r.tokens) - 1 for r in todo], raw=True, last=True)
         if self.prefix_caching:
             for r in reqs:
                 r.shared = len(r.tokens) - 1
@@ -226,12 +226,15 @@ class BatchedHFWorker(BatchedHandle):
         ks = {it[1] for it in items}
         laws = None             # every row k steps (no stopping rule): the laws drawn straight into [B, k, V]
         if any(law) and len(ks) == 1 and min(ks) > 0 and all(it[3] is None for it in items):
-            laws = torch.empty(len(items), min(ks), self.vocab_size, device=self.device)
+            # [k, B, V]: each step's softmax writes one contiguous [B, V] (into a strided slice it computes
+            # aside and copies); handed on as the [B, k, V] view
+            laws = torch.empty(min(ks), len(items), self.vocab_size, device=self.device)
         step = 0
         while live:
             step += 1
             rows = [reqs[i] for i in live]
-            logits, hid, at = self._forward(rows, hidden=any(items[i][2] is not None for i in live), raw=True)
+            head = any(items[i][2] is not None for i in live)
+            logits, hid, at = self._forward(rows, hidden=head, raw=True, last=not head)
             last = _last_rows(logits, at).float()                                           # [B, V]
             cons = [j for j, r in enumerate(rows) if r.sampling.constraint is not None]
             if cons:                                      # grammars' laws (core/constraint.py): one batched mask
@@ -241,7 +244,7 @@ class BatchedHFWorker(BatchedHandle):
             rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
             draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
             toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
-                                       out=None if laws is None else laws[:, step - 1])
+                                       out=None if laws is None else laws[step - 1])
             toks = toks.tolist()
             if any(keep[i] for i in live):
                 steps.append(({i: j for j, i in enumerate(live)}, (last, probs)))
@@ -257,7 +260,8 @@ class BatchedHFWorker(BatchedHandle):
             live = [i for i in live if i not in done]
         empty = torch.empty(0, self.vocab_size, device=self.device)
         if steps and all(len(at) == len(items) for at, _ in steps):    # every row in every step (row i: line i)
-            whole = {w: laws if w and laws is not None else torch.stack([rows[w] for _, rows in steps], 1)
+            whole = {w: laws.transpose(0, 1) if w and laws is not None else
+                     torch.stack([rows[w] for _, rows in steps], 1)
                      for w in {law[i] for i in range(len(items)) if keep[i]}}      # [B, k, V]: row i a view
             return [(toks, whole[law[i]][i] if keep[i] else None) for i, toks in enumerate(out)]
         return [(toks, (torch.stack([rows[law[i]][at[i]] for at, rows in steps[:len(toks)]]) if toks else empty)
@@ -297,11 +301,14 @@ class BatchedHFWorker(BatchedHandle):
         return verify_round(logits[rows, torch.tensor(pos, device=logits.device)].float(), items)
 
     @torch.inference_mode()
-    def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None, raw: bool = False):
+    def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None, raw: bool = False,
+                 last: bool = False):
         """Feed each row's ``tokens[cached:end]`` in one forward; per row (logits ``[n_b, V]``, final hidden
         states ``[n_b, H]`` with ``hidden``, else None), float32 on the CPU.  ``raw``: (the padded logits
         ``[B, n, V]`` as the model returned them, on its device; hidden states ``[B, n, H]`` or None; per request
-        (its row there, n_b))."""
+        (its row there, n_b)).  ``last`` (with ``raw``): the LM head runs only at the rows' last fed positions
+        (transformers' ``logits_to_keep``): logits ``[B, m, V]`` over the m distinct ones, and n_b counts the
+        kept positions up to row b's last (so its last is at n_b - 1 either way)."""
         if len({r.slot for r in reqs}) != len(reqs):
             raise ValueError("a request may appear only once per batch")
         ends = ends or [len(r.tokens) for r in reqs]
@@ -317,14 +324,17 @@ class BatchedHFWorker(BatchedHandle):
         pos = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(n, device=self.device)
         self._cache.plan([r.slot for r in rows], offsets, n)
         mask = build_masks(self.layout, offsets, n, max(offsets) + n, self.model.dtype, self.device)
+        kept = sorted({len(f) for f in feeds}) if last else None        # the last positions, + 1
+        extra = {"output_hidden_states": True} if hidden else {}
+        if kept is not None:
+            extra["logits_to_keep"] = 1 if kept == [n] else torch.tensor(kept, device=self.device) - 1
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                         past_key_values=self._cache, use_cache=True,
-                         **({"output_hidden_states": True} if hidden else {}))
+                         past_key_values=self._cache, use_cache=True, **extra)
         if raw:
             at = [None] * len(reqs)
             for b, (i, r, f) in enumerate(zip(order, rows, feeds)):
                 r.cached += len(f)
-                at[i] = (b, len(f))
+                at[i] = (b, len(f) if kept is None else kept.index(len(f)) + 1)
             return out.logits, out.hidden_states[-1] if hidden else None, at
         logits = out.logits.float().cpu()                                           # [B, n, V]
         hid = out.hidden_states[-1].float().cpu() if hidden else None               # [B, n, H]

@@ -232,12 +232,14 @@ def test_sample_batch_mixed_rows():
 
 def test_pick_rows_is_advanced_indexing_whatever_the_layout():
     """Row (b, idx_b) of every request by index_select over one flat view: a contiguous block, a slice of a
-    longer one, a broadcast one and a transposed one (the last by advanced indexing) all give x[b, idx_b]."""
+    longer one, a broadcast one and a transposed one; one whose vocabulary entries are not adjacent (by advanced
+    indexing) all give x[b, idx_b]."""
     g = torch.Generator().manual_seed(0)
     whole = torch.randn(5, 6, 7, generator=g)
     idx = torch.tensor([0, 3, 2, 3, 1])
     rows = torch.arange(5)
-    for x in (whole, whole[:, :4], whole[:1].expand(5, 6, 7), whole.transpose(0, 1)[:5, :4]):
+    for x in (whole, whole[:, :4], whole[:1].expand(5, 6, 7), whole.transpose(0, 1)[:5, :4],
+              whole.transpose(1, 2)[:, :4], whole[..., ::2]):
         assert torch.equal(pick_rows(x, idx), x[rows, idx])
         picked = torch.tensor([4, 0, 0, 2])                          # other rows, in any order
         assert torch.equal(pick_rows(x, idx[:4], picked), x[picked, idx[:4]])
@@ -258,6 +260,10 @@ def test_stack_rows_reuses_a_batch_it_was_cut_from():
     assert torch.equal(moved, torch.nn.utils.rnn.pad_sequence(rows[::-1], batch_first=True))
     same = stack_rows([batch[2, :3], batch[0, :3]])
     assert torch.equal(same, torch.stack([batch[2, :3], batch[0, :3]]))
+    steps = torch.randn(4, 3, 5)                                     # [n, B, V]: a drafter's steps in order
+    cut = [steps[:, b] for b in range(3)]
+    got = stack_rows(cut)
+    assert got.data_ptr() == steps.data_ptr() and torch.equal(got, steps.transpose(0, 1))
 
 
 def test_inverse_cdf_in_two_levels_is_the_one_level_draw():
