@@ -62,7 +62,7 @@ class Cell:
 
 def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, strategy, opts,
                 first_seed: int = 0, stream: bool = True,
-                after: Callable[[int], None] | None = None) -> tuple[list[Rec], float]:
+                after: Callable[[int], None] | None = None, temperature: float = 0.0) -> tuple[list[Rec], float]:
     """Closed loop: ``c`` threads, each sending its next request (streaming, or unary with ``stream=False``)
     as soon as the last one ended, until ``n`` requests were sent (request j: prompt j mod len(prompts)).
     Returns the records in request order and the wall seconds from the first submit to the last end.
@@ -84,12 +84,12 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         streamed: list[int] = []
         try:
             if not stream:
-                res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
+                res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=temperature,
                                       seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True)
                 rec.first = rec.last = time.perf_counter()
                 rec.token_ids, rec.chunks = list(res.token_ids), 1
                 return
-            for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=0.0,
+            for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=temperature,
                                        seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
                 now = time.perf_counter()
                 rec.chunks += 1

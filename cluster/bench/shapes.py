@@ -5,7 +5,9 @@ vocabulary of ``--vocabs`` (default 4,096, 32,000 and Llama 3's 128,256); the dr
 acceptance does not move with V.  For each vocabulary, ``--rows`` requests together (default 1, 8, 32), greedy and
 T = 1, autoregressive and speculative k = 4, each under both samplers of the engine (``engine.sampler``):
 ``reference`` (row by row on the host in float64, the test oracle: the engine as it was) and ``batched`` (the
-whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run.
+whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run; then,
+unless ``--runtime in-process``, the cells of the largest row count served (:mod:`cluster.bench.shapes_served`:
+Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, their outputs checked against the in-process ones.
 
 Per step: wall time, the models' forward time (hooks around the HF modules) and the rest, the engine's own work.
 The floor the own work is measured against: one argmax and one softmax over the step's logits block (rows x 9 x
@@ -36,6 +38,9 @@ NEW_TOKENS = 32            # generated per request
 PROMPT = 8                 # prompt tokens per request
 K = 4
 SAMPLERS = ("reference", "batched")
+OPTIONS = {"drafter": "drafter", "k": K}
+RUNTIMES = ("in-process", "cluster")
+SEED = 100
 
 
 class _ForwardClock:
@@ -72,18 +77,23 @@ def write_checkpoint(root: Path, vocab: int, seed: int = 0) -> Path:
     return path
 
 
-def engine_for(path: Path, sampler: str, rows: int, root: Path) -> Engine:
-    """The in-process engine (:func:`cluster.local.build_engine`) over target = drafter = ``path``, colocated,
-    from a config as a user writes one; ``engine.sampler`` chosen."""
+def config_for(path: Path, sampler: str, rows: int, root: Path):
+    """The config of target = drafter = ``path``, colocated, written as a user writes one (``engine.sampler``
+    chosen) and loaded."""
     doc = {"target": "target",
            "models": {"target": {"path": str(path)}, "drafter": {"path": str(path)}},
            "engine": {"strategy": "speculative", "max_batch": rows, "max_queue": rows, "sampler": sampler,
                       "max_new_tokens_limit": NEW_TOKENS, "kv_budget_tokens": 1 << 20,
-                      "options": {"drafter": "drafter", "k": K}},
+                      "options": dict(OPTIONS)},
            "cluster": {"topology": "colocated"}}
     cfg_path = root / f"{path.name}-{sampler}.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
-    return build_engine(load_config(cfg_path))
+    return load_config(cfg_path)
+
+
+def engine_for(path: Path, sampler: str, rows: int, root: Path) -> Engine:
+    """The in-process engine (:func:`cluster.local.build_engine`) of :func:`config_for`."""
+    return build_engine(config_for(path, sampler, rows, root))
 
 
 def _parse(text, name: str, low: int, high: int) -> list[int]:
@@ -110,12 +120,17 @@ def floor_passes(rows: int, vocab: int, repeat: int = 3) -> dict:
     return best
 
 
+def prompts(rows: int, vocab: int) -> list[list[int]]:
+    """The cells' prompts: request i's PROMPT tokens."""
+    return [[(7 * i + j) % vocab + 1 for j in range(PROMPT)] for i in range(rows)]
+
+
 def measure(engine: Engine, clock: _ForwardClock, rows: int, strategy: str, temperature: float, seed: int) -> dict:
     """One cell: ``rows`` requests of NEW_TOKENS tokens together -> per-step wall, model and own ms."""
-    options = {"drafter": "drafter", "k": K} if strategy == "speculative" else {}
-    reqs = [GenerationRequest(prompt_ids=[(7 * i + j) % engine.vocab_size + 1 for j in range(PROMPT)],
-                              max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature), seed=seed + i,
-                              strategy=strategy, options=options, ignore_eos=True) for i in range(rows)]
+    options = OPTIONS if strategy == "speculative" else {}
+    reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature),
+                              seed=seed + i, strategy=strategy, options=options, ignore_eos=True)
+            for i, p in enumerate(prompts(rows, engine.vocab_size))]
     steps0, model0 = engine.steps, clock.seconds
     t0 = time.perf_counter()
     results = engine.generate_many(reqs)
@@ -126,13 +141,23 @@ def measure(engine: Engine, clock: _ForwardClock, rows: int, strategy: str, temp
             "own_ms": 1e3 * (wall - model) / steps, "tokens": [r.token_ids for r in results]}
 
 
+def _runtimes(text) -> list[str]:
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not out or any(x not in RUNTIMES for x in out):
+        raise ParamError("runtime", f"comma-separated of {', '.join(RUNTIMES)}", text)
+    return out
+
+
 def run(args, cfg) -> int:
     vocabs = _parse(getattr(args, "vocabs", None) or ",".join(map(str, VOCABS)), "vocabs", 16, 262144)
     row_counts = _parse(getattr(args, "rows", None) or ",".join(map(str, ROWS)), "rows", 1, 256)
+    served = "cluster" in _runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
     torch.set_num_threads(1)
-    table, points = [], []
-    cells = [(r, t, s) for r in row_counts for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]
-    bar = tqdm(total=len(vocabs) * len(cells) * len(SAMPLERS), desc="bench shapes", unit="cell")
+    table = []
+    kinds = [(t, s) for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]
+    cells = [(r, t, s) for r in row_counts for t, s in kinds]
+    bar = tqdm(total=len(vocabs) * (len(cells) + served * len(kinds)) * len(SAMPLERS), desc="bench shapes",
+               unit="cell")
     root = Path(getattr(args, "cache_dir", None) or default_cache_dir()) / "shapes"
     root.mkdir(parents=True, exist_ok=True)
     for V in vocabs:
@@ -141,11 +166,13 @@ def run(args, cfg) -> int:
         clock = _ForwardClock([e.models[n].model for e in engines.values() for n in ("target", "drafter")])
         for e in engines.values():                                        # warm-up (not timed)
             measure(e, clock, 1, "speculative", 1.0, 0)
+        tokens = {}
         for rows, temperature, strategy in cells:
             floor = floor_passes(rows, V)
             got = {}
             for s in SAMPLERS:                                            # side by side, same cell
-                got[s] = measure(engines[s], clock, rows, strategy, temperature, 100)
+                got[s] = measure(engines[s], clock, rows, strategy, temperature, SEED)
+                tokens[(s, temperature, strategy, rows)] = got[s]["tokens"]
                 bar.update()
             before, after = got["reference"], got["batched"]
             equal = before["tokens"] == after["tokens"] if temperature == 0 else None
@@ -157,6 +184,9 @@ def run(args, cfg) -> int:
                           "own/model_after": after["own_ms"] / after["model_ms"],
                           "argmax_ms": floor["argmax"], "softmax_ms": floor["softmax"],
                           "greedy_equal": equal})
+        del engines, clock
+        if served:
+            _served_columns(table, path, root, V, max(row_counts), kinds, tokens, bar)
     bar.close()
     _vocab_added(table)
     print_table(table, f"shapes: random-weight Llama (hidden 64, 2 layers), drafter = target copy, k = {K}, "
@@ -166,6 +196,23 @@ def run(args, cfg) -> int:
     _plot(table, out / "bench_shapes.png")
     print(f"results written to {out / 'bench_shapes'}.{{csv,json,png}}")
     return 0
+
+
+def _served_columns(table, path, root, V, rows, kinds, tokens, bar) -> None:
+    """The served column (:mod:`cluster.bench.shapes_served`) of the cells at ``rows``: served tokens/s before
+    and after, and whether every served output equals the in-process one of its sampler."""
+    from cluster.bench.shapes_served import served_cells
+    got = served_cells(path, root, rows, kinds, SAMPLERS, prompts(rows, V), NEW_TOKENS, OPTIONS, SEED)
+    bar.update(len(kinds) * len(SAMPLERS))
+    for r in table:
+        if r["V"] != V or r["rows"] != rows:
+            continue
+        before, after = (got[(s, r["T"], r["strategy"])] for s in SAMPLERS)
+        r["served_tok_s_before"], r["served_tok_s_after"] = before["tok_s"], after["tok_s"]
+        r["served_after/before"] = after["tok_s"] / before["tok_s"] if before["tok_s"] else None
+        key = (r["T"], r["strategy"])
+        r["served_equal"] = all(got[(s, *key)]["tokens"] == tokens[(s, *key, rows)] for s in SAMPLERS)
+        r["served_failed"] = sum(got[(s, *key)]["failures"] for s in SAMPLERS)
 
 
 def _vocab_added(table: list[dict]) -> None:

@@ -10,7 +10,8 @@ from cluster.errors import ParamError
 
 
 def test_shapes_suite_writes_the_before_after_table(tmp_path, capsys):
-    args = SimpleNamespace(vocabs="64,256", rows="1,3", out=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    args = SimpleNamespace(vocabs="64,256", rows="1,3", out=str(tmp_path), cache_dir=str(tmp_path / "cache"),
+                           runtime="in-process")
     assert run(args, None) == 0
     rows = json.loads((tmp_path / "bench_shapes.json").read_text())
     assert len(rows) == 2 * 2 * 2 * 2                     # V x rows x T x strategy
@@ -25,8 +26,24 @@ def test_shapes_suite_writes_the_before_after_table(tmp_path, capsys):
     assert "own_ms_before" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_shapes_suite_serves_the_largest_rows_and_gets_the_same_tokens(tmp_path):
+    """The served column: the cells of the largest row count through Ray Serve (colocated, gRPC on 127.0.0.1)
+    under both samplers, every output equal to the in-process one of its sampler, greedy and at T = 1."""
+    args = SimpleNamespace(vocabs="64", rows="1,3", out=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    assert run(args, None) == 0
+    rows = json.loads((tmp_path / "bench_shapes.json").read_text())
+    served = [r for r in rows if r["rows"] == 3]
+    assert len(served) == 4 and not any("served_tok_s_after" in r for r in rows if r["rows"] == 1)
+    for r in served:
+        assert r["served_tok_s_before"] > 0 and r["served_tok_s_after"] > 0 and r["served_failed"] == 0
+        assert r["served_equal"] is True, r
+
+
 def test_shapes_suite_refuses_bad_sizes(tmp_path):
     with pytest.raises(ParamError, match="vocabs"):
         run(SimpleNamespace(vocabs="8", rows="1", out=str(tmp_path)), None)
     with pytest.raises(ParamError, match="rows"):
         run(SimpleNamespace(vocabs="64", rows="x", out=str(tmp_path)), None)
+    with pytest.raises(ParamError, match="runtime"):
+        run(SimpleNamespace(vocabs="64", rows="1", out=str(tmp_path), runtime="gpu"), None)
