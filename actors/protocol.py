@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from cluster.core.interfaces import UnknownRequestError
+from cluster.core.interfaces import UnknownRequestError, rows_asked
 from cluster.core.sampling import onehot_logits
 
 OPS = ("rollback", "extend", "release")
@@ -97,7 +97,7 @@ def tokens_only(method: str, out):
 def expand_onehot(method: str, out, vocab_size: int, items: list | None = None):
     """The one-hot rows back, for the items that asked for rows (a propose item's ``rows``; default: all)."""
     if method in ("propose_batch", "propose_adaptive_batch"):
-        asked = [method == "propose_adaptive_batch" or len(it) < 3 or bool(it[2]) for it in items or [()] * len(out)]
+        asked = [method == "propose_adaptive_batch" or rows_asked(it) for it in items or [()] * len(out)]
         return [(toks, onehot_logits(toks, vocab_size) if want else None) for (toks, _), want in zip(out, asked)]
     if method == "score_batch":
         return [onehot_logits(preds, vocab_size) for preds in out]

@@ -84,13 +84,13 @@ def served_cell(client: SpecServeClient, prompts, n: int, c: int, max_new: int, 
         streamed: list[int] = []
         try:
             if not stream:
-                res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=temperature,
-                                      seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True)
+                res = client.generate(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new,
+                                      temperature=temperature, seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True)
                 rec.first = rec.last = time.perf_counter()
                 rec.token_ids, rec.chunks = list(res.token_ids), 1
                 return
-            for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new, temperature=temperature,
-                                       seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
+            for chunk in client.stream(prompt_ids=prompts[rec.prompt], max_new_tokens=max_new,
+                                       temperature=temperature, seed=first_seed + j, strategy=strategy, options=opts, ignore_eos=True):
                 now = time.perf_counter()
                 rec.chunks += 1
                 if chunk.token_ids:

@@ -6,7 +6,7 @@ acceptance does not move with V.  For each vocabulary, ``--rows`` requests toget
 T = 1, autoregressive and speculative k = 4, each under both samplers of the engine (``engine.sampler``):
 ``reference`` (row by row on the host in float64, the test oracle: the engine as it was) and ``batched`` (the
 whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run; then,
-unless ``--runtime in-process``, the cells of the largest row count served (:mod:`cluster.bench.shapes_served`:
+unless ``--runtime in-process``, the cells of the largest row count served (:func:`served_cells`:
 Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, their outputs checked against the in-process ones.
 
 Per step: wall time, the models' forward time (hooks around the HF modules) and the rest, the engine's own work.
@@ -24,6 +24,8 @@ import yaml
 from tqdm import tqdm
 
 from cluster.bench.report import print_table, write_results
+from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, WARMUP_TOKENS, served_config
+from cluster.bench.served_cells import served_cell
 from cluster.config.paths import default_cache_dir
 from cluster.config.schema import load_config
 from cluster.core.sampling import SamplingParams
@@ -31,6 +33,8 @@ from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_int
 from cluster.local import build_engine
+from cluster.serving.client.sdk import SpecServeClient
+from cluster.serving.fronts.app import start_serve
 
 VOCABS = (4096, 32000, 128256)
 ROWS = (1, 8, 32)
@@ -199,9 +203,8 @@ def run(args, cfg) -> int:
 
 
 def _served_columns(table, path, root, V, rows, kinds, tokens, bar) -> None:
-    """The served column (:mod:`cluster.bench.shapes_served`) of the cells at ``rows``: served tokens/s before
+    """The served column (:func:`served_cells`) of the cells at ``rows``: served tokens/s before
     and after, and whether every served output equals the in-process one of its sampler."""
-    from cluster.bench.shapes_served import served_cells
     got = served_cells(path, root, rows, kinds, SAMPLERS, prompts(rows, V), NEW_TOKENS, OPTIONS, SEED)
     bar.update(len(kinds) * len(SAMPLERS))
     for r in table:
@@ -258,3 +261,51 @@ def _plot(table: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def served_cells(path: Path, root: Path, rows: int, cells: list[tuple[float, str]], samplers, prompts,
+                 new_tokens: int, options: dict, first_seed: int) -> dict:
+    """The served column: per sampler the Serve application of :func:`config_for` on free 127.0.0.1 ports (a
+    local Ray unless the caller started one; Serve shut down after each, on errors too), every cell of
+    ``rows`` sent as that many concurrent unary requests with the in-process cell's prompts and seeds (one
+    untimed request first); ``cells``: (temperature, strategy) -> {(sampler, T, strategy): {"tok_s", "tokens",
+    "failures"}} (every draw is a function of the request's seed and position, so the tokens equal the
+    in-process ones however the batches form)."""
+    import ray
+    from ray import serve
+
+    out: dict = {}
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    try:
+        for sampler in samplers:
+            scfg = served_config(config_for(path, sampler, rows, root), "colocated")
+            client = None
+            try:
+                start_serve(scfg)
+                client = SpecServeClient(f"127.0.0.1:{scfg.cluster.grpc_port}", app=scfg.cluster.app_name,
+                                         timeout=REQUEST_TIMEOUT_S, api_key="")
+                client.wait_ready(READY_TIMEOUT_S)
+                served_cell(client, prompts, 1, 1, WARMUP_TOKENS, "speculative", options, stream=False,
+                            temperature=1.0)
+                for T, strategy in cells:
+                    recs, secs = served_cell(client, prompts[:rows], rows, rows, new_tokens, strategy,
+                                             options if strategy == "speculative" else {}, first_seed=first_seed,
+                                             stream=False, temperature=T)
+                    ok = [r for r in recs if r.error is None]
+                    out[(sampler, T, strategy)] = {
+                        "tok_s": sum(len(r.token_ids) for r in ok) / secs if secs else 0.0,
+                        "tokens": [r.token_ids if r.error is None else None for r in recs],
+                        "failures": len(recs) - len(ok)}
+            finally:
+                if client is not None:
+                    client.close()
+                try:
+                    serve.shutdown()
+                except Exception as e:       # noqa: BLE001 - still go on; say what failed
+                    print(f"[bench shapes: serve.shutdown() failed: {type(e).__name__}: {e}]")
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return out

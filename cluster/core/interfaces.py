@@ -169,6 +169,11 @@ class PerRequestHandle(BatchedHandle):
         return [self.propose_adaptive(rid, *rest) for rid, *rest in items]
 
 
+def rows_asked(item: tuple) -> bool:
+    """Whether a propose item ``(rid, k[, rows[, law]])`` asks for its rows (default: yes)."""
+    return len(item) < 3 or bool(item[2])
+
+
 class DeterministicDrafter(PerRequestHandle):
     """A drafter that proposes each token with probability 1 (the Max-Gram and suffix drafters): it writes
     :meth:`draft_tokens`, and its one-hot rows (q, 0 at the token and -inf elsewhere) are built only for a
@@ -188,9 +193,9 @@ class DeterministicDrafter(PerRequestHandle):
 
     def propose_batch(self, items) -> list[tuple[list[int], torch.Tensor | None]]:
         out = []
-        for rid, k, *rest in items:
-            toks = self.draft_tokens(rid, k)
-            out.append((toks, onehot_logits(toks, self.vocab_size) if (rest[0] if rest else True) else None))
+        for it in items:
+            toks = self.draft_tokens(it[0], it[1])
+            out.append((toks, onehot_logits(toks, self.vocab_size) if rows_asked(it) else None))
         return out
 
 

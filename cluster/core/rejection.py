@@ -168,8 +168,8 @@ class Laws:
 def pick_rows(x: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, n, V]``, ``idx [R]`` -> ``x[rows_r, idx_r]`` ``[R, V]`` (``rows`` default: 0..B-1): whole rows
     copied by ``index_select`` over ``x``'s rows as one ``[*, V]`` view where its layout allows (a slice of a
-    longer ``[B, n', V]``, or of an ``[n', B, V]`` transposed, too); advanced indexing walks the elements, several times slower over V-wide rows on
-    the CPU."""
+    longer ``[B, n', V]``, or of an ``[n', B, V]`` transposed, too); advanced indexing walks the elements,
+    several times slower over V-wide rows on the CPU."""
     B, n, V = x.shape
     rows = torch.arange(B, device=idx.device) if rows is None else rows
     if not (B and n and x.stride(2) == 1 and x.stride(1) % V == 0 and x.stride(0) % V == 0 and x.stride(1)):

@@ -8,6 +8,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import torch
+
 from cluster.config.paths import ZOO_VERSION
 
 EOT = "<|endoftext|>"
@@ -106,7 +108,6 @@ def fast_autocast() -> str:
     """``bfloat16`` where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), else ``float32``: elsewhere
     autocast emulates it, and a step of the full target is about 12x slower than in float32 (an AVX2-only CPU:
     9.9 s against 0.8 s a step).  Resolved when the presets are read, so the cache key names what was trained."""
-    import torch
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return "bfloat16" if native else "float32"
 
