@@ -9,7 +9,7 @@ import torch
 
 from cluster.core.block_verify import verify_block
 from cluster.core.draws import CounterDraws, RngDraws, counter_hash, counter_uniform, inverse_cdf
-from cluster.core.rejection import RowSampling, pick_rows, probs_batch, sample_batch, verify_batch
+from cluster.core.rejection import RowSampling, argmax, pick_rows, probs_batch, sample_batch, verify_batch
 from cluster.core.sampling import SamplingParams, logits_to_probs, sample
 from cluster.core.verify import verify_tokens
 from cluster.core.verify_round import stack_rows
@@ -286,3 +286,20 @@ def test_inverse_cdf_in_two_levels_is_the_one_level_draw():
     assert torch.equal(inverse_cdf(probs, torch.zeros(64, dtype=F64)), first)
     assert torch.equal(inverse_cdf(probs, torch.full((64,), 1 - 2 ** -53, dtype=F64)), last)
     assert torch.equal(inverse_cdf(probs.float(), torch.full((64,), 1 - 2 ** -24)), last)
+
+
+@pytest.mark.parametrize("shape", [(3, 4096), (2, 3, 5 * 1024 + 17), (4, 9000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_two_level_argmax_is_torchs_argmax_with_ties_and_nans(shape, dtype):
+    """The greedy pass over wide rows (rejection.argmax) returns torch's index: the first of tied maxima, the
+    first NaN, a maximum in the ragged last block, a row of -inf."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype)
+    flat = x.view(-1, shape[-1])
+    V = shape[-1]
+    flat[0, [7, 2048, V - 1]] = 50.0                       # ties across blocks: the first wins
+    flat[1, V - 3] = 60.0                                  # the maximum in the ragged tail
+    if flat.shape[0] > 2:
+        flat[2, [3000, 100]] = float("nan")                # the first NaN
+    flat[-1] = float("-inf")                               # every entry -inf: index 0
+    assert torch.equal(argmax(x), x.argmax(-1))

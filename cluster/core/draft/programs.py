@@ -81,6 +81,17 @@ class DraftBlock:
             return logits_to_probs(self.q, sampling)
         return self.q.to(torch.float64)
 
+    def __getstate__(self) -> dict:
+        """Pickled (to another process) with each tensor's own elements: in process, ``q`` is often a view of a
+        batch's ``[B, k, V]`` laws (the verifier reads the batch as one tensor, no copy), and a pickled view
+        carries its whole storage."""
+        state = dict(self.__dict__)
+        for name in ("q", "support"):
+            t = state[name]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                state[name] = t.clone(memory_format=torch.contiguous_format)
+        return state
+
     def nbytes(self) -> int:
         """Payload bytes on the wire (8 per token id)."""
         arrays = [t for t in (self.q, self.support) if t is not None]
@@ -105,9 +116,9 @@ def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingPara
         return DraftBlock(list(tokens), "onehot", forwards=forwards)
     full = not sampling.top_k and sampling.top_p >= 1.0
     if logits is not None and full:                         # full support: the raw logits
-        return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)
+        return DraftBlock(list(tokens), "logits", logits, None, forwards)
     if full:                                                # the drafter's own law (a batch's rows: views kept)
-        return DraftBlock(list(tokens), "dense", q.contiguous(), None, forwards)
+        return DraftBlock(list(tokens), "dense", q, None, forwards)
     if q is None:
         q = logits_to_probs(logits, sampling)
     V = q.shape[-1]
@@ -116,8 +127,8 @@ def pack_block(tokens: list[int], q: torch.Tensor | None, sampling: SamplingPara
         vals, ids = torch.topk(q, width, dim=-1)           # every nonzero entry (and zeros to fill)
         return DraftBlock(list(tokens), "sparse", vals.contiguous(), ids.contiguous(), forwards)
     if logits is not None:
-        return DraftBlock(list(tokens), "logits", logits.contiguous(), None, forwards)   # as computed (float32 models)
-    return DraftBlock(list(tokens), "dense", q.contiguous(), None, forwards)
+        return DraftBlock(list(tokens), "logits", logits, None, forwards)   # as computed (float32 models)
+    return DraftBlock(list(tokens), "dense", q, None, forwards)
 
 
 @dataclass
