@@ -204,3 +204,17 @@ def test_could_use_reads_the_next_calls_bookkeeping():
     rejected = [("rollback", "r", (3,)), ("extend", "r", ([3],))]
     assert side.could_use(accepted) and not side.could_use(rejected)
     assert not side.could_use([("release", "r", ())]) and not side.could_use([])
+
+
+def test_a_block_over_a_batch_buffer_stays_a_view_and_pickles_only_its_own_rows():
+    """In process a row's laws are a view of the batch's [k, B, V] buffer (the verifier reads the batch without a
+    copy); pickled to another process, the block carries its own [L, V] elements, not the buffer."""
+    import pickle
+    laws = torch.rand(3, 8, 1000)                          # [k, B, V]
+    row = laws.transpose(0, 1)[5]                          # request 5's [k, V], strided
+    block = pack_block([1, 2, 3], row, SamplingParams(temperature=1.0))
+    assert block.form == "dense" and block.q.data_ptr() == row.data_ptr()
+    data = pickle.dumps(block)
+    assert len(data) < 2 * row.numel() * row.element_size()   # not the 8x larger buffer
+    back = pickle.loads(data)
+    assert torch.equal(back.q, row) and back.tokens == [1, 2, 3] and block.q.data_ptr() == row.data_ptr()

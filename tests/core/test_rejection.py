@@ -288,7 +288,7 @@ def test_inverse_cdf_in_two_levels_is_the_one_level_draw():
     assert torch.equal(inverse_cdf(probs.float(), torch.full((64,), 1 - 2 ** -24)), last)
 
 
-@pytest.mark.parametrize("shape", [(3, 4096), (2, 3, 5 * 1024 + 17), (4, 9000)])
+@pytest.mark.parametrize("shape", [(3, 4096), (2, 3, 5 * 1024 + 17), (4, 9000), (2, 128256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_two_level_argmax_is_torchs_argmax_with_ties_and_nans(shape, dtype):
     """The greedy pass over wide rows (rejection.argmax) returns torch's index: the first of tied maxima, the
