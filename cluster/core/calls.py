@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 from cluster.core.interfaces import BatchedHandle
 from cluster.core.sampling import SamplingParams
-from cluster.core.verify_round import VerifyItem
+from cluster.core.verify_round import ReviewItem, VerifyItem
 
 
 class PrefillItem(NamedTuple):
@@ -164,7 +164,32 @@ class Verify:
         return handle.verify_batch(items)
 
 
-ModelCall = Propose | ProposeAdaptive | Score | Draft | Verify
+@dataclass(frozen=True)
+class Review:
+    """CS Drafting's review: drafter ``model`` scores ``draft`` (the draft of the drafters below it) and verifies it
+    against the laws ``q`` it was drawn from -> :class:`cluster.core.verify_round.Reviewed` (accepted count, the
+    next token, and the laws of the emitted tokens, handed up).  The round's reviews by one drafter run as ONE
+    forward and one batched call on its device (:func:`cluster.core.verify_round.review_round`)."""
+
+    model: str
+    draft: tuple[int, ...]
+    q: tuple                     # [L] a [V] row per position, None for a one-hot (Max-Gram) one
+    lenience: tuple              # [L] l per position
+    sampling: SamplingParams
+    rng: Any
+    index: int                   # the review's number within its block (the draws' counter)
+    allowed: Any = None          # bool [L+1, V']: a grammar's mask at each row (None: no grammar)
+
+    def item(self, rid: str) -> ReviewItem:
+        return ReviewItem(rid, list(self.draft), self.q, self.lenience, self.sampling, self.rng, self.index,
+                          self.allowed)
+
+    @staticmethod
+    def run(handle: BatchedHandle, items: list[ReviewItem]) -> list:
+        return handle.review_batch(items)
+
+
+ModelCall = Propose | ProposeAdaptive | Score | Draft | Verify | Review
 
 
 def run_group(handle: BatchedHandle, kind: type, items: list[tuple[str, ModelCall]]) -> list[Any]:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from cluster.core.sampling import SamplingParams, onehot_logits
-from cluster.core.verify_round import stack_rows, verify_round
+from cluster.core.verify_round import review_round, stack_rows, verify_round
 
 
 class UnknownRequestError(KeyError):
@@ -114,6 +114,12 @@ class BatchedHandle(ABC):
         handle that owns a device (:class:`cluster.models.batched.BatchedHFWorker`) keeps the logits there."""
         rows = self.score_batch([(it.rid, it.draft) for it in items])
         return verify_round(stack_rows(rows), items)
+
+    def review_batch(self, items: list) -> list:
+        """CS Drafting's reviews (:class:`cluster.core.verify_round.ReviewItem` -> ``Reviewed``): by default
+        ``score_batch``'s rows, reviewed in one batched call where they land."""
+        rows = self.score_batch([(it.rid, it.draft) for it in items])
+        return review_round(stack_rows(rows), items)
 
     # -- defaulted --------------------------------------------------------------------------------
     def flush(self) -> None:

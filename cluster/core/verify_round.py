@@ -16,7 +16,7 @@ from cluster.core.cascade_targets import cascade_target, deferral_rate, lossy_ta
 from cluster.core.constraint import mask_logits
 from cluster.core.logprobs import TokenLogprob, token_logprobs
 from cluster.core.draws import CounterDraws, RngDraws
-from cluster.core.rejection import Laws, RowSampling, probs_batch, verify_batch
+from cluster.core.rejection import Laws, RowSampling, Verdicts, argmax, probs_batch, verify_batch
 from cluster.core.sampling import Rng, SamplingParams
 
 
@@ -121,14 +121,9 @@ def _masked(logits: torch.Tensor, items: list[VerifyItem]) -> torch.Tensor:
 def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified]:
     """``logits [B, K+1, V]``: row b's first ``len(draft_b) + 1`` positions are its verification rows, on the
     device the sampler runs on -> one :class:`Verified` per item."""
-    methods = sorted({(it.method, it.law or ()) for it in items})
-    if len(methods) > 1:                              # requests with different verifiers: one call per verifier
-        out: list = [None] * len(items)
-        for m in methods:
-            idx = [b for b, it in enumerate(items) if (it.method, it.law or ()) == m]
-            for b, v in zip(idx, verify_round(logits[idx], [items[b] for b in idx])):
-                out[b] = v
-        return out
+    split = _per_group(verify_round, logits, items, lambda it: (it.method, it.law or ()))
+    if split is not None:                             # requests with different verifiers: one call per verifier
+        return split
     device, dtype = logits.device, _dtype(logits)
     B, K1, V = logits.shape
     K = max(len(it.draft) for it in items)
@@ -157,6 +152,20 @@ def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified
         if it.logprobs is not None:
             lp = token_logprobs(raw[b, :acc + 1].cpu(), it.draft[:acc] + [tok], it.logprobs)
         out.append(Verified(acc, tok, bonus, lp, deferred[b]))
+    return out
+
+
+def _per_group(fn, logits: torch.Tensor, items: list, key) -> list | None:
+    """``fn(logits rows, items)`` once per group of items with one ``key``, the results in the items' order;
+    None where every item has the same key (the caller goes on with one call)."""
+    keys = [key(it) for it in items]
+    if len(set(keys)) < 2:
+        return None
+    out: list = [None] * len(items)
+    for k in dict.fromkeys(keys):
+        idx = [b for b, kb in enumerate(keys) if kb == k]
+        for b, v in zip(idx, fn(logits[idx], [items[b] for b in idx])):
+            out[b] = v
     return out
 
 
@@ -202,3 +211,95 @@ def _gen_spec(logits, items, rs: RowSampling, draft, lengths, draws, law):
         return verdicts, None
     counted = (at < lengths[:, None]) | ((at == lengths[:, None]) & used & verdicts.bonus[:, None])
     return verdicts, (rate * counted).sum(-1)
+
+
+# -- CS Drafting's reviews ----------------------------------------------------------------------------------
+class ReviewItem(NamedTuple):
+    """One request's review of a CS Drafting round: a drafter verifies the draft of the drafters below it
+    (Chen et al., *Cascade Speculative Drafting*, Algorithm "CascadeSpeculativeDraftingStep")."""
+
+    rid: str
+    draft: list[int]             # [L] the draft below
+    q: tuple                     # [L] the law each x_i was drawn from: a [V] row, or None (one-hot: Max-Gram)
+    lenience: tuple              # [L] l per position (1: exact; the reviewer's law made lossy where l > 1)
+    sampling: SamplingParams     # the request's (greedy: the lenient argmax rule)
+    rng: Any                     # the block's random source: an Rng (counter draws keyed by its seed), or a branching one
+    index: int                   # the review's number within its block (the draws' counter)
+    allowed: Any = None          # bool [L+1, V']: a grammar's mask at each row (None: no grammar)
+
+
+class Reviewed(NamedTuple):
+    accepted: int
+    next_token: int
+    bonus: bool
+    laws: torch.Tensor           # [accepted + 1, V] the law each emitted token was drawn from (q for the level above)
+
+
+def review_round(logits: torch.Tensor, items: list[ReviewItem]) -> list[Reviewed]:
+    """Every request's review of a round in one batched call on the logits' device; ``logits [B, K+1, V]`` the
+    reviewer's rows over each draft (row b's first ``len(draft_b) + 1``).
+
+    Greedy rows: x_i is accepted if it is the reviewer's argmax or q_i(x_i) <= l_i p_i(x_i), p the reviewer's
+    temperature-1 softmax; the first rejected position emits the argmax; laws handed up: p's rows.  Sampled rows:
+    GenSpecSample (Narasimhan et al., *Faster Cascades via Speculative Decoding*, Alg. 4) towards pi_i =
+    lossy_target(q_i, p_i, 1 - 1/l_i) where l_i > 1, p_i elsewhere, the bonus from p_{L+1}
+    (:func:`cluster.core.rejection.verify_batch`); laws handed up: pi's rows, p_{L+1} for a bonus.  Max-Gram's
+    one-hot q rows are written on the device, never as float64 host rows.  The per-row form is
+    :meth:`cluster.core.draft.programs.CSDraftProgram.review` with ``batched`` off, this one's test oracle."""
+    split = _per_group(review_round, logits, items, lambda it: it.sampling.greedy)
+    if split is not None:                               # greedy and sampled rows: one call each
+        return split
+    device, dtype = logits.device, _dtype(logits)
+    B, _, V = logits.shape
+    K = max(len(it.draft) for it in items)
+    logits = logits[:, :K + 1].to(dtype)
+    if any(it.allowed is not None for it in items):
+        logits = _masked(logits, items)
+    draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
+                         device=device).reshape(B, K)
+    lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
+    lens = torch.tensor([list(it.lenience) + [1.0] * (K - len(it.draft)) for it in items], dtype=dtype,
+                        device=device).reshape(B, K)
+    q = _review_q(items, draft, K, V, device, dtype)                                    # [B, K, V]
+    rows = torch.arange(B, device=device)
+    if items[0].sampling.greedy:
+        laws = torch.softmax(logits, -1)                                                # [B, K+1, V]
+        arg = argmax(logits)
+        qx, px = q.gather(-1, draft[..., None])[..., 0], laws[:, :K].gather(-1, draft[..., None])[..., 0]
+        ok = (arg[:, :K] == draft) | (qx <= lens * px)
+        valid = torch.arange(K, device=device)[None] < lengths[:, None]
+        acc = (ok & valid).long().cumprod(-1).sum(-1)
+        verdicts = Verdicts(acc, arg[rows, acc], acc == lengths)
+    else:
+        rs = RowSampling.of([it.sampling for it in items], V, device, dtype)
+        p = probs_batch(logits, rs)                                                     # [B, K+1, V]
+        laws = p
+        for l in sorted({x for it in items for x in it.lenience if x > 1.0}):          # lossy where l > 1
+            at = (lens == l)[..., None]
+            lossy = lossy_target(q, p[:, :K], 1.0 - 1.0 / l)
+            laws = laws.clone() if laws is p else laws
+            laws[:, :K] = torch.where(at, lossy, laws[:, :K])
+        if all(type(it.rng) is Rng for it in items):
+            draws = CounterDraws.of([it.rng.seed for it in items], [it.index for it in items], device)
+        else:
+            draws = RngDraws([it.rng for it in items])
+        verdicts = verify_batch(logits, draft, lengths, rs, draws, q=q,
+                                target=None if laws is p else laws[:, :K], p=p)
+    out = []
+    for b, (acc, tok, bonus) in enumerate(verdicts.tolist()):
+        out.append(Reviewed(acc, tok, bonus, laws[b, :acc + 1]))       # row L of laws is p_{L+1}: the bonus law
+    return out
+
+
+def _review_q(items: list[ReviewItem], draft: torch.Tensor, K: int, V: int, device, dtype) -> torch.Tensor:
+    """The reviews' q ``[B, K, V]``: each position's row as handed up, a one-hot where None (Max-Gram's)."""
+    q = torch.zeros(len(items), K, V, dtype=dtype, device=device)
+    at = [(b, i) for b, it in enumerate(items) for i, row in enumerate(it.q) if row is not None]
+    if at:
+        q.view(-1, V).index_copy_(0, torch.tensor([b * K + i for b, i in at], device=device),
+                                  torch.stack([items[b].q[i] for b, i in at]).to(device, dtype))
+    one = [(b, i) for b, it in enumerate(items) for i, row in enumerate(it.q) if row is None]
+    if one:
+        b, i = torch.tensor(one, device=device).unbind(1)
+        q[b, i, draft[b, i]] = 1.0
+    return q

@@ -33,7 +33,7 @@ from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.draws import DRAFT, CounterDraws
 from cluster.core.rejection import RowSampling, pick_rows, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
-from cluster.core.verify_round import verify_round
+from cluster.core.verify_round import review_round, verify_round
 from cluster.models.head import resolve_head
 from cluster.models.memory import memory_report
 from cluster.models.prefix_cache import PrefixIndex
@@ -287,6 +287,17 @@ class BatchedHFWorker(BatchedHandle):
     def verify_batch(self, items: list) -> list:
         """Append each draft, run one forward and verify every row on this worker's device
         (:func:`cluster.core.verify_round.verify_round`): the logits never leave it, token ids come back."""
+        return verify_round(self._scored_rows(items), items)
+
+    @torch.inference_mode()
+    def review_batch(self, items: list) -> list:
+        """CS Drafting's reviews by this drafter, as :meth:`verify_batch` verifies
+        (:func:`cluster.core.verify_round.review_round`): one forward, one batched call on its device."""
+        return review_round(self._scored_rows(items), items)
+
+    def _scored_rows(self, items: list) -> torch.Tensor:
+        """Append each item's ``draft`` and run one forward -> float32 logits ``[B, K+1, V]`` on the device, row b
+        at item b's last ``len(draft) + 1`` positions (a view where the rows are aligned, as they usually are)."""
         reqs = [self._get(it.rid) for it in items]
         for req, it in zip(reqs, items):
             req.cached = min(req.cached, len(req.tokens) - 1)
@@ -295,10 +306,10 @@ class BatchedHFWorker(BatchedHandle):
         K = max(len(it.draft) for it in items)
         firsts = [n - len(it.draft) - 1 for (_, n), it in zip(at, items)]
         if all(b == i for i, (b, _) in enumerate(at)) and not any(firsts):     # rows aligned: a view, no copy
-            return verify_round(logits[:, :K + 1].float(), items)
+            return logits[:, :K + 1].float()
         pos = [[min(f + j, n - 1) for j in range(K + 1)] for f, (_, n) in zip(firsts, at)]
         rows = torch.tensor([b for b, _ in at], device=logits.device)[:, None]
-        return verify_round(logits[rows, torch.tensor(pos, device=logits.device)].float(), items)
+        return logits[rows, torch.tensor(pos, device=logits.device)].float()
 
     @torch.inference_mode()
     def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None, raw: bool = False,

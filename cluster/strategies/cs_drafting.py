@@ -49,6 +49,7 @@ its own distribution whatever the lenience below it.  (The paper's code is greed
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from cluster.core.draft.programs import DRAFTS, DraftSpec
@@ -180,7 +181,8 @@ class CSDrafting(Strategy):
         """The whole cascade below the target runs on the draft side (:class:`cluster.core.draft.programs.CSDraftProgram`),
         in one call; the target verifies its block as any draft.  A step the engine's speculation policy makes
         plain (``ctx.plain``) is plain decoding."""
-        return speculative_step(ctx, self.spec, 0 if ctx.plain else ctx.budget - 1, self.verify)
+        spec = self.spec if ctx.batched else dataclasses.replace(self.spec, batched=False)   # the oracle
+        return speculative_step(ctx, spec, 0 if ctx.plain else ctx.budget - 1, self.verify)
 
 
 def _is_mag(handle) -> bool:

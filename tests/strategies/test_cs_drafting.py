@@ -75,7 +75,7 @@ def test_parse_kmatrix_forms():
             parse_kmatrix(bad)
 
 
-def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=0):
+def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=0, batched=True):
     """Exact distribution of the first ``n`` tokens of CS Drafting steps run with a fixed per-step
     ``budget`` (so every level drafts deeply; the engine would shrink it to the tokens left), over a
     tabular target, two tabular neural drafters (``large`` reviews ``small``, which reviews MaG) and MaG."""
@@ -88,7 +88,7 @@ def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=
     opts = resolve_options("cs_drafting", dict(drafters="large,small,mag", kmatrix=kmatrix, lenience=lenience), {})
     prompt = [0, 1, 0]
 
-    return (steps_law("cs_drafting", opts, models, "target", prompt, sampling, n, budget),
+    return (steps_law("cs_drafting", opts, models, "target", prompt, sampling, n, budget, batched=batched),
             target_joint(target, prompt, n, sampling))
 
 
@@ -98,10 +98,12 @@ def _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, n=2, seed=
     (3, 4, "1,1,1;0,1,1;0,0,2", 4.0, SamplingParams(1.0)),      # + horizontal cascade at every level
     (3, 4, "1,0,1;0,1,1;0,0,2", 2.0, SamplingParams(0.7, top_k=2)),
 ])
-def test_sampling_exact_target_distribution(vocab, budget, kmatrix, lenience, sampling):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "reference"])
+def test_sampling_exact_target_distribution(vocab, budget, kmatrix, lenience, sampling, batched):
     """Both neural drafters review (lossy at lenience > 1), MaG proposes: the target's verdict is exact
-    (handing up p instead of pi for accepted or resampled tokens breaks this by > 0.03)."""
-    got, want = _cascade_distribution(lenience, kmatrix, sampling, vocab, budget)
+    (handing up p instead of pi for accepted or resampled tokens breaks this by > 0.03), with the reviews through
+    the batched sampler (verify_round.review_round) and through their per-row oracle."""
+    got, want = _cascade_distribution(lenience, kmatrix, sampling, vocab, budget, batched=batched)
     assert max_abs_diff(got, want) < 1e-9
 
 

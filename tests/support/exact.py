@@ -291,10 +291,11 @@ def product(laws: list[dict]) -> dict:
 
 
 def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sampling, n: int, budget: int,
-              overlap: bool = False, side=None) -> dict:
+              overlap: bool = False, side=None, batched: bool = True) -> dict:
     """The exact law of the first ``n`` tokens from repeated steps of strategy ``name`` (each step planned with
     ``budget``), enumerating every random draw (the draft side's too; ``overlap``: it pre-drafts every next
-    block, see :mod:`cluster.core.draft.side`; ``side(drafters, rng)``: builds the draft side instead)."""
+    block, see :mod:`cluster.core.draft.side`; ``side(drafters, rng)``: builds the draft side instead; ``batched``
+    off: the per-row reference sampler, StepContext.batched)."""
     from cluster.core.draft.side import DraftSide
     from cluster.core.draft.programs import DRAFTS
     from cluster.core.stats import RequestStats
@@ -312,7 +313,7 @@ def steps_law(name: str, opts, models: dict, target: str, prompt: list[int], sam
         strategy = REGISTRY[name](opts, every, target)
         for h in every.values():
             h.prefill_batch([("r", prompt, sampling, 0)])
-        ctx = StepContext("r", every, target, sampling, rng, RequestStats(), list(prompt), budget)
+        ctx = StepContext("r", every, target, sampling, rng, RequestStats(), list(prompt), budget, batched=batched)
         out = []
         while len(out) < n:
             new = run_step(strategy.step(ctx), every, "r")

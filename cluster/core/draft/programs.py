@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from cluster.core.calls import Propose, ProposeAdaptive, Score
+from cluster.core.calls import Propose, ProposeAdaptive, Review, Score
 from cluster.core.cascade_targets import lossy_target
-from cluster.core.constraint import constrain_rows, valid_prefix
+from cluster.core.constraint import constrain_rows, row_masks, valid_prefix
 from cluster.core.sampling import UNSCALED, Rng, SamplingParams, logits_to_probs
 from cluster.core.verify import gen_spec_verify
 
@@ -45,6 +45,8 @@ class DraftSpec:
     lenience: float = 1.0
     token_budgets: bool = True        # cascade: K counts tokens (the paper's loop) or review steps
     mag_lenience: bool = False        # cascade: lenience also where a drafter reviews Max-Gram tokens
+    batched: bool = True              # cascade: reviews through the batched sampler on the drafters' devices
+                                      # (False: row by row on the host in float64, its test oracle)
 
 
 @dataclass
@@ -147,6 +149,7 @@ class DraftCtx:
     # the tokens drafted so far while they are a prefix of the block to come (one token per call); None once a call
     # was answered whose draws are not (a cascade's proposals and reviews): read between rounds (DraftSide's race)
     partial: list[int] | None = field(default_factory=list)
+    reviews: int = 0                 # a cascade's reviews so far in this block (the counter of each one's draws)
     _rng: Rng | None = field(default=None, init=False, repr=False)
 
     @property
@@ -181,7 +184,7 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     tokens and rows are those of one call of ``limit`` (a drafter continues what it holds)."""
     if spec.kind == "cascade":
         toks, qs, _ = yield from CSDraftProgram(dc, spec).draft(0, list(work), limit)
-        q = torch.stack(qs) if qs else None
+        q = _stack_laws(qs, toks) if qs else None
         return _with_alts(pack_block(toks, q, dc.sampling, forwards=dc.forwards), q, dc.alts)
     name = spec.drafters[0]
     # a greedy block travels as tokens, its bets need the rows; a deterministic drafter's q is its tokens
@@ -216,6 +219,38 @@ def run_program(spec: DraftSpec, dc: DraftCtx, work: list[int], limit: int, stop
     return block if onehot else _with_alts(block, logits, dc.alts)
 
 
+def _stack_laws(qs: list, toks: list[int]) -> torch.Tensor | None:
+    """A cascade's laws per token ``[L, V]``: the rows handed up, a one-hot where None (Max-Gram's, from
+    batched reviews: written only when some row is not one, on the rows' device); None when every row is."""
+    at = [i for i, r in enumerate(qs) if r is not None]
+    if not at:
+        return None
+    if len(at) == len(qs):
+        view = _consecutive(qs)
+        return torch.stack(qs) if view is None else view
+    rows = torch.stack([qs[i] for i in at])
+    out = rows.new_zeros(len(qs), rows.shape[-1]).index_copy_(0, torch.tensor(at, device=rows.device), rows)
+    one = [i for i, r in enumerate(qs) if r is None]
+    out[one, [toks[i] for i in one]] = 1.0
+    return out
+
+
+def _consecutive(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """``rows`` [V] as one ``[L, V]`` view when they are consecutive rows of one tensor (a review's laws handed
+    up whole), else None."""
+    first = rows[0]
+    store = first.untyped_storage().data_ptr()
+    if first.dim() != 1 or first.stride(0) != 1 or any(r.untyped_storage().data_ptr() != store or r.dtype != first.dtype
+                                                        or r.shape != first.shape or r.stride() != first.stride()
+                                                        for r in rows):
+        return None
+    step = rows[1].storage_offset() - first.storage_offset() if len(rows) > 1 else first.shape[0]
+    if step < first.shape[0] or any(r.storage_offset() != first.storage_offset() + i * step
+                                    for i, r in enumerate(rows)):
+        return None
+    return first.as_strided((len(rows), first.shape[0]), (step, 1))
+
+
 def _with_alts(block: DraftBlock, rows: torch.Tensor | None, width: int) -> DraftBlock:
     """``block`` with the ``width`` best tokens per position other than its own, by ``rows`` [>= L, V]."""
     if width and rows is not None and block.tokens:
@@ -235,7 +270,7 @@ class CSDraftProgram:
     def __init__(self, dc: DraftCtx, spec: DraftSpec):
         self.dc, self.names, self.K, self.lenience = dc, spec.drafters, spec.kmatrix, spec.lenience
         self.token_budgets, self.mag_lenience = spec.token_budgets, spec.mag_lenience
-        self.greedy = dc.sampling.greedy
+        self.greedy, self.batched = dc.sampling.greedy, spec.batched
 
     def dist(self, logits: torch.Tensor) -> torch.Tensor:
         """Distributions handed up: processed for sampling; temperature-1 softmax for greedy lenience."""
@@ -264,15 +299,19 @@ class CSDraftProgram:
         return toks, qs, mag
 
     def propose(self, name: str, work: list[int], k: int):
+        """The bottom drafter's tokens with their laws: a Max-Gram's as None (one-hot) when batched, its one-hot
+        rows otherwise; a neural drafter's rows of :meth:`dist`."""
         dc = self.dc
         dc.sync(name, work)
-        toks, logits = yield Propose(name, k)                              # [k], [k, V]
+        is_mag = dc.deterministic(name)
+        toks, logits = yield Propose(name, k, rows=not (is_mag and self.batched))    # [k], [k, V] or None
         toks, dc.partial = list(toks), None
         dc.held(name, work + toks)
-        is_mag = dc.deterministic(name)
         dc.count(name, 1 if is_mag else len(toks))
         if is_mag:
             toks = dc.grammar_cut(work, toks)
+        if is_mag and self.batched:
+            return toks, [None] * len(toks), [True] * len(toks)
         q = self.dist(logits)
         return toks, [q[i] for i in range(len(toks))], [is_mag] * len(toks)
 
@@ -282,12 +321,22 @@ class CSDraftProgram:
         dc, name = self.dc, self.names[m - 1]
         d, dq, dm = yield from self.draft(m, work, limit - 1)              # [L], L x [V], L x bool
         dc.sync(name, work)
+        lens = [1.0 if (mg and not self.mag_lenience) else self.lenience for mg in dm]   # l per position
+        if self.batched:                              # the round's reviews by ``name``: one batched call
+            c = dc.sampling.constraint
+            allowed = row_masks(c, dc.committed + work, d) if c is not None else None
+            v = yield Review(name, tuple(d), tuple(dq), tuple(lens), dc.sampling, None if self.greedy else dc.rng,
+                             dc.reviews, allowed)
+            dc.reviews += 1
+            dc.partial = None
+            dc.held(name, work + d)
+            dc.count(name, 1)
+            return d[:v.accepted] + [v.next_token], list(v.laws), [False] * (v.accepted + 1)
         logits = dc.masked(work, d, (yield Score(name, tuple(d))))          # [L+1, V]
         dc.partial = None
         dc.held(name, work + d)
         dc.count(name, 1)
         L = len(d)
-        lens = [1.0 if (mg and not self.mag_lenience) else self.lenience for mg in dm]   # l per position
         if self.greedy:
             pu = logits_to_probs(logits, UNSCALED)                          # [L+1, V]
             arg = logits.argmax(-1).tolist()
