@@ -200,9 +200,53 @@ def missing_suites(tables: dict[str, list[dict]]) -> list[str]:
     return [s.suite for s in SECTIONS if not any(_matching(tables, t.stem) for t in s.tables)]
 
 
+KEPT = "Kept from this page's earlier render (this output has no file for it):"
+
+
+def _sections(page: str) -> dict[str, list[str]]:
+    """A rendered page's sections: "## title" -> its lines up to the next one."""
+    out: dict[str, list[str]] = {}
+    title = None
+    for line in page.splitlines():
+        if line.startswith("## "):
+            title = line
+            out[title] = []
+        elif title is not None:
+            out[title].append(line)
+    return out
+
+
+def keep_measured(page: str, previous: str) -> str:
+    """``page`` with each section it renders as not measured taken from ``previous`` (the page it replaces)
+    where that one measured it, marked as kept: a suite run on its own refreshes its section only."""
+    old = _sections(previous)
+    out, title, skip = [], None, False
+    for line in page.splitlines():
+        if line.startswith("## "):
+            title, skip = line, False
+            out.append(line)
+            continue
+        if skip:                               # the rest of this section came with the old one
+            continue
+        was = old.get(title, [])
+        if line.startswith("Not measured in this output") and any(x.startswith("### ") for x in was):
+            body = [x for x in was if x != KEPT]
+            while body and not body[0].strip():
+                body = body[1:]
+            out += [KEPT, ""] + body
+            skip = True
+            continue
+        out.append(line)
+    return "\n".join(out).rstrip() + "\n"
+
+
 def write_page(folder: Path, output: Path) -> tuple[dict[str, list[dict]], list[str]]:
-    """Render the JSON files of ``folder`` into ``output``; returns (the tables read, JSON files skipped)."""
+    """Render the JSON files of ``folder`` into ``output`` (sections without a file kept from the page there:
+    :func:`keep_measured`); returns (the tables read, JSON files skipped)."""
     tables, skipped = read_results(folder)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render(tables))
+    page = render(tables)
+    if output.is_file():
+        page = keep_measured(page, output.read_text())
+    output.write_text(page)
     return tables, skipped

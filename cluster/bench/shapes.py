@@ -3,12 +3,13 @@
 Random-weight Llama checkpoints built from a transformers config (hidden 64, 2 layers; nothing downloaded) at each
 vocabulary of ``--vocabs`` (default 4,096, 32,000 and Llama 3's 128,256); the drafter is a copy of the target, so
 acceptance does not move with V.  For each vocabulary, ``--rows`` requests together (default 1, 8, 32), greedy and
-T = 1, autoregressive and speculative k = 4, each under both samplers of the engine (``engine.sampler``):
+T = 1, autoregressive, speculative k = 4 and CS Drafting (the drafter reviewing the suffix drafter's proposals, the
+default K-matrix), each under both samplers of the engine (``engine.sampler``):
 ``reference`` (row by row on the host in float64, the test oracle: the engine as it was) and ``batched`` (the
 whole round in one call on the model's device, :mod:`cluster.core.rejection`), interleaved in one run; then,
-unless ``--runtime in-process``, the cells of the largest row count served (:func:`served_cells`:
-Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, the share of their outputs equal to the in-process
-ones reported (``served_equal``: 1 greedy; at T = 1 a float32 rounding of the batch can flip a draw).
+unless ``--runtime in-process``, the autoregressive and speculative cells of the largest row count served
+(:func:`served_cells`: Ray Serve, colocated, gRPC on 127.0.0.1) under each sampler, the share of their outputs
+equal to the in-process ones reported (``served_equal``: 1 greedy; at T = 1 a float32 rounding of the batch can flip a draw).
 
 Per step: wall time, the models' forward time (hooks around the HF modules) and the rest, the engine's own work.
 The floor the own work is measured against: one argmax and one softmax over the step's logits block (rows x 9 x
@@ -44,6 +45,8 @@ PROMPT = 8                 # prompt tokens per request
 K = 4
 SAMPLERS = ("reference", "batched")
 OPTIONS = {"drafter": "drafter", "k": K}
+STRATEGIES = {"autoregressive": {}, "speculative": OPTIONS,       # the cells' strategies and their options;
+              "cs_drafting": {"drafters": "drafter,suffix"}}        # CS Drafting in-process only
 RUNTIMES = ("in-process", "cluster")
 SEED = 100
 
@@ -82,23 +85,26 @@ def write_checkpoint(root: Path, vocab: int, seed: int = 0) -> Path:
     return path
 
 
-def config_for(path: Path, sampler: str, rows: int, root: Path):
+def config_for(path: Path, sampler: str, rows: int, root: Path, cascade: bool = False):
     """The config of target = drafter = ``path``, colocated, written as a user writes one (``engine.sampler``
-    chosen) and loaded."""
+    chosen) and loaded; ``cascade``: with the suffix drafter, for CS Drafting's cells (it indexes every
+    request's output, work the other cells' engine does not do)."""
     doc = {"target": "target",
            "models": {"target": {"path": str(path)}, "drafter": {"path": str(path)}},
            "engine": {"strategy": "speculative", "max_batch": rows, "max_queue": rows, "sampler": sampler,
                       "max_new_tokens_limit": NEW_TOKENS, "kv_budget_tokens": 1 << 20,
                       "options": dict(OPTIONS)},
            "cluster": {"topology": "colocated"}}
-    cfg_path = root / f"{path.name}-{sampler}.yaml"
+    if cascade:
+        doc["suffix"] = {}
+    cfg_path = root / f"{path.name}-{sampler}{'-cs' if cascade else ''}.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
     return load_config(cfg_path)
 
 
-def engine_for(path: Path, sampler: str, rows: int, root: Path) -> Engine:
+def engine_for(path: Path, sampler: str, rows: int, root: Path, cascade: bool = False) -> Engine:
     """The in-process engine (:func:`cluster.local.build_engine`) of :func:`config_for`."""
-    return build_engine(config_for(path, sampler, rows, root))
+    return build_engine(config_for(path, sampler, rows, root, cascade))
 
 
 def _parse(text, name: str, low: int, high: int) -> list[int]:
@@ -132,7 +138,7 @@ def prompts(rows: int, vocab: int) -> list[list[int]]:
 
 def measure(engine: Engine, clock: _ForwardClock, rows: int, strategy: str, temperature: float, seed: int) -> dict:
     """One cell: ``rows`` requests of NEW_TOKENS tokens together -> per-step wall, model and own ms."""
-    options = OPTIONS if strategy == "speculative" else {}
+    options = STRATEGIES[strategy]
     reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature),
                               seed=seed + i, strategy=strategy, options=options, ignore_eos=True)
             for i, p in enumerate(prompts(rows, engine.vocab_size))]
@@ -159,24 +165,24 @@ def run(args, cfg) -> int:
     served = "cluster" in _runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
     torch.set_num_threads(1)
     table = []
-    kinds = [(t, s) for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]
-    cells = [(r, t, s) for r in row_counts for t, s in kinds]
+    kinds = [(t, s) for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]          # served too
+    cells = [(r, t, s) for r in row_counts for t in (0.0, 1.0) for s in STRATEGIES]
     bar = tqdm(total=len(vocabs) * (len(cells) + served * len(kinds)) * len(SAMPLERS), desc="bench shapes",
                unit="cell")
     root = Path(getattr(args, "cache_dir", None) or default_cache_dir()) / "shapes"
     root.mkdir(parents=True, exist_ok=True)
     for V in vocabs:
         path = write_checkpoint(root, V)
-        engines = {s: engine_for(path, s, max(row_counts), root) for s in SAMPLERS}
+        engines = {(s, c): engine_for(path, s, max(row_counts), root, c) for s in SAMPLERS for c in (False, True)}
         clock = _ForwardClock([e.models[n].model for e in engines.values() for n in ("target", "drafter")])
-        for e in engines.values():                                        # warm-up (not timed)
-            measure(e, clock, 1, "speculative", 1.0, 0)
+        for (_, c), e in engines.items():                                 # warm-up (not timed)
+            measure(e, clock, 1, "cs_drafting" if c else "speculative", 1.0, 0)
         tokens = {}
         for rows, temperature, strategy in cells:
             floor = floor_passes(rows, V)
             got = {}
             for s in SAMPLERS:                                            # side by side, same cell
-                got[s] = measure(engines[s], clock, rows, strategy, temperature, SEED)
+                got[s] = measure(engines[(s, strategy == "cs_drafting")], clock, rows, strategy, temperature, SEED)
                 tokens[(s, temperature, strategy, rows)] = got[s]["tokens"]
                 bar.update()
             before, after = got["reference"], got["batched"]
@@ -209,7 +215,7 @@ def _served_columns(table, path, root, V, rows, kinds, tokens, bar) -> None:
     got = served_cells(path, root, rows, kinds, SAMPLERS, prompts(rows, V), NEW_TOKENS, OPTIONS, SEED)
     bar.update(len(kinds) * len(SAMPLERS))
     for r in table:
-        if r["V"] != V or r["rows"] != rows:
+        if r["V"] != V or r["rows"] != rows or (r["T"], r["strategy"]) not in kinds:
             continue
         before, after = (got[(s, r["T"], r["strategy"])] for s in SAMPLERS)
         r["served_tok_s_before"], r["served_tok_s_after"] = before["tok_s"], after["tok_s"]
@@ -244,8 +250,8 @@ def _plot(table: list[dict], path: Path) -> None:
     except ImportError:                                  # the bench extra is not installed: the table is all
         return
     rows = max(r["rows"] for r in table)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, strategy in zip(axes, ("autoregressive", "speculative")):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    for ax, strategy in zip(axes, ("autoregressive", "speculative", "cs_drafting")):
         for T, style in ((0.0, "-"), (1.0, "--")):
             sel = sorted((r for r in table if r["rows"] == rows and r["T"] == T and r["strategy"] == strategy),
                          key=lambda r: r["V"])
@@ -296,7 +302,7 @@ def served_cells(path: Path, root: Path, rows: int, cells: list[tuple[float, str
                             temperature=1.0)
                 for T, strategy in cells:
                     recs, secs = served_cell(client, prompts[:rows], rows, rows, new_tokens, strategy,
-                                             options if strategy == "speculative" else {}, first_seed=first_seed,
+                                             STRATEGIES[strategy], first_seed=first_seed,
                                              stream=False, temperature=T)
                     ok = [r for r in recs if r.error is None]
                     out[(sampler, T, strategy)] = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cluster.bench.report import hop_columns, write_results
 from cluster.bench.results import (MARKER, SECTIONS, markdown_table, missing_suites, read_results, render,
-                                   served_headline)
+                                   served_headline, write_page)
 from cluster.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,3 +129,21 @@ def test_the_command_writes_the_rendered_page_and_refuses_a_missing_folder(tmp_p
 
 def test_the_committed_results_page_is_generated():
     assert (ROOT / "docs" / "results.md").read_text().splitlines()[0] == MARKER
+
+
+def test_a_suite_run_alone_refreshes_its_section_and_keeps_the_others(tmp_path):
+    """Rendering over an existing page keeps the sections this output has no file for, marked as kept, and
+    replaces the ones it has; a section never measured stays 'not measured'."""
+    from cluster.bench.results import KEPT
+    page = tmp_path / "results.md"
+    write_results(main_rows(), tmp_path / "a", "bench_main_t1")
+    write_page(tmp_path / "a", page)
+    first = page.read_text()
+    assert "### `bench_main_t1`" in first
+    write_results([{"V": 64, "rows": 1, "own_ms_after": 1.0}], tmp_path / "b", "bench_shapes")
+    write_page(tmp_path / "b", page)
+    second = page.read_text()
+    assert "### `bench_main_t1`" in second and "### `bench_shapes`" in second and second.count(KEPT) == 1
+    assert "Not measured in this output: `specserve bench --suite load`" in second
+    write_page(tmp_path / "b", page)                      # rendering again: the same page, one mark
+    assert page.read_text() == second
