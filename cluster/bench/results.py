@@ -72,7 +72,8 @@ SECTIONS = (
     Section("grammar", "Structured output: the grammar's share of a step", "specserve bench --suite grammar", (
         Table("bench_grammar_engine", "Greedy JSON answers per strategy: ms per token, and the grammar's part."),)),
     Section("shapes", "Production shapes: the engine's own work per step", "specserve bench --suite shapes", (
-        Table("bench_shapes", "Random-weight Llama checkpoints, drafter = target copy, k = 4; own = step wall - the "
+        Table("bench_shapes", "Random-weight Llama checkpoints, drafter = target copy, k = 4 (cs_drafting: the drafter "
+              "reviewing the suffix drafter's proposals, in-process only); own = step wall - the "
               "models' forward time; before = engine.sampler reference, after = batched, side by side; "
               "served_equal: the share of served outputs equal to the in-process ones (1 greedy; at T = 1 a "
               "float32 rounding of the served batch's padding can flip a draw on these near-flat laws)."),)),
