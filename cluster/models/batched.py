@@ -307,9 +307,10 @@ class BatchedHFWorker(BatchedHandle):
         firsts = [n - len(it.draft) - 1 for (_, n), it in zip(at, items)]
         if all(b == i for i, (b, _) in enumerate(at)) and not any(firsts):     # rows aligned: a view, no copy
             return logits[:, :K + 1].float()
-        pos = [[min(f + j, n - 1) for j in range(K + 1)] for f, (_, n) in zip(firsts, at)]
-        rows = torch.tensor([b for b, _ in at], device=logits.device)[:, None]
-        return logits[rows, torch.tensor(pos, device=logits.device)].float()
+        B, n, V = logits.shape                  # whole rows by index_select (advanced indexing walks elements)
+        flat = [b * n + min(f + j, m - 1) for f, (b, m) in zip(firsts, at) for j in range(K + 1)]
+        return logits.reshape(B * n, V).index_select(0, torch.tensor(flat, device=logits.device)) \
+            .view(len(items), K + 1, V).float()
 
     @torch.inference_mode()
     def _forward(self, reqs: list[_Request], hidden: bool = False, ends: list[int] | None = None, raw: bool = False,
