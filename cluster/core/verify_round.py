@@ -134,7 +134,9 @@ def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified
     draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
                          device=device).reshape(B, K)
     lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
-    if all(type(it.rng) is Rng or type(it.rng) is int for it in items):
+    if rs.all_greedy and items[0].law is None:
+        draws = None                                     # argmax comparisons draw nothing
+    elif all(type(it.rng) is Rng or type(it.rng) is int for it in items):
         draws = CounterDraws.of([getattr(it.rng, "seed", it.rng) for it in items], [it.start for it in items], device)
     else:
         draws = RngDraws([it.rng for it in items])

@@ -31,7 +31,7 @@ from cluster.core.constraint import mask_logits
 from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.draws import DRAFT, CounterDraws
-from cluster.core.rejection import RowSampling, pick_rows, sample_batch
+from cluster.core.rejection import RowSampling, argmax, pick_rows, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import review_round, verify_round
 from cluster.models.head import resolve_head
@@ -241,10 +241,13 @@ class BatchedHFWorker(BatchedHandle):
                 allowed = torch.stack([rows[j].sampling.constraint.allowed(rows[j].tokens) for j in cons])
                 last = last.index_put((torch.tensor(cons, device=last.device),),      # a copy: the model's
                                       mask_logits(last[cons], allowed.to(last.device)))  # rows stay as they are
-            rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
-            draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
-            toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
-                                       out=None if laws is None else laws[step - 1])
+            if all(r.sampling.greedy for r in rows):        # the argmax: no per-row settings or draws to build
+                toks, probs = argmax(last), None
+            else:
+                rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
+                draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
+                toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
+                                           out=None if laws is None else laws[step - 1])
             toks = toks.tolist()
             if any(keep[i] for i in live):
                 steps.append(({i: j for j, i in enumerate(live)}, (last, probs)))
