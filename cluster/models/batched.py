@@ -36,7 +36,7 @@ from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import review_round, verify_round
 from cluster.models.head import resolve_head
 from cluster.models.memory import memory_report
-from cluster.models.prefix_cache import PrefixIndex
+from cluster.models.prefix_cache import PrefixIndex, shared_in_batch
 from cluster.models.slot_cache import SlotCache
 from cluster.models.support import attention_layout, build_masks, check_tensor_parallel, position_limit, read_config
 
@@ -113,16 +113,30 @@ class BatchedHFWorker(BatchedHandle):
                 self._requests[rid] = req
                 reqs.append(req)
                 hits.append(hit)
+            after = shared_in_batch([(r.tokens, r.salt, r.cached) for r in reqs]) if self.prefix_caching else {}
             for donor, slot, hit in copies:
-                self._cache.copy_prefix(donor, slot, hit)
-        todo = [r for r in reqs if r.cached < len(r.tokens) - 1]
-        if todo:                 # KV only: the LM head runs at one position ([B, P, V] logits at 128k: GBs)
-            self._forward(todo, ends=[len(r.tokens) - 1 for r in todo], raw=True, last=True)
+                if slot not in {reqs[j].slot for j in after}:
+                    self._cache.copy_prefix(donor, slot, hit)
+        todo = [r for j, r in enumerate(reqs) if j not in after]
+        self._prefill_forward(todo)
+        if after:                # the rest of the batch, from the prompt blocks its leaders have just computed
+            for j, (i, n) in after.items():
+                self._cache.copy_prefix(reqs[i].slot, reqs[j].slot, n)
+                self.prefix.hits += n - hits[j]
+                reqs[j].cached = hits[j] = n            # reused, not computed: cached tokens as a client counts them
+            self._prefill_forward([reqs[j] for j in after])
         if self.prefix_caching:
             for r in reqs:
                 r.shared = len(r.tokens) - 1
                 self.prefix.register(r.slot, r.tokens, r.salt, r.shared)
         return hits
+
+    def _prefill_forward(self, reqs: list[_Request]) -> None:
+        """KV for every prompt token but the last of ``reqs`` from where each is cached, in one forward (the LM
+        head at one position only: ``[B, P, V]`` logits at 128k are GBs)."""
+        todo = [r for r in reqs if r.cached < len(r.tokens) - 1]
+        if todo:
+            self._forward(todo, ends=[len(r.tokens) - 1 for r in todo], raw=True, last=True)
 
     def release(self, rid: str) -> None:
         with self._lock:

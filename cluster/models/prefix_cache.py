@@ -41,6 +41,36 @@ def chain(ids: list[int], salt: str | None = None, n: int | None = None) -> list
     return out
 
 
+MIN_SHARED = 64     # prompt tokens a batch must save before :func:`shared_in_batch` spends a second forward on it
+
+
+def shared_in_batch(prompts: list[tuple[list[int], str | None, int]]) -> dict[int, tuple[int, int]]:
+    """Prompts of one prefill batch that share leading blocks with an earlier one of the batch: (ids, salt,
+    tokens already cached) each -> {j: (i, n)}: prompt j takes its first n tokens from prompt i once i is
+    prefilled (a second forward for the followers), where that beats what j found cached.  The index cannot find
+    them (nothing of the batch is computed yet), so without this every conversation of a batch that opens with one
+    system prompt computes it.  Only prompts that take none are leaders; nothing is shared below
+    :data:`MIN_SHARED` tokens saved in all (a forward's fixed cost).  Pure: every rank decides the same."""
+    chains = [chain(ids, salt, len(ids) - 1) for ids, salt, _ in prompts]
+    out: dict[int, tuple[int, int]] = {}
+    for j, (ids, salt, cached) in enumerate(prompts):
+        best, at = cached, None
+        for i in range(j):
+            if i in out or prompts[i][1] != salt:
+                continue
+            m = 0
+            for a, b in zip(chains[i], chains[j]):
+                if a != b:
+                    break
+                m += 1
+            if m * BLOCK > best:
+                best, at = m * BLOCK, i
+        if at is not None:
+            out[j] = (at, best)
+    saved = sum(n - prompts[j][2] for j, (_, n) in out.items())
+    return out if saved >= MIN_SHARED else {}
+
+
 class PrefixIndex:
     """Block key -> the slots holding that block (and every block before it), plus the free slots' LRU order.
     A block many prompts share (a system prompt) is held by many slots; reusing one of them leaves the others."""

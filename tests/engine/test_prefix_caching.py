@@ -44,3 +44,35 @@ def test_the_setting_is_validated_with_its_name():
     cfg = load_config("configs/tiny.yaml")
     with pytest.raises(ConfigError, match=r"engine.prefix_caching.*on, off.*'sometimes'"):
         dataclasses.replace(cfg.engine, prefix_caching="sometimes").validate("engine")
+
+
+@pytest.mark.parametrize("strategy", ["speculative", "autoregressive"])
+def test_a_batch_opening_with_one_system_prompt_computes_it_once(strategy):
+    """Four requests admitted together with one system prompt (nothing cached yet): the target and the drafter
+    prefill it for the first and copy it to the others (shared_in_batch), and every output equals the uncached
+    engine's, batched; a request of another cache_salt shares nothing."""
+    on, off = _engine("on"), _engine("off")
+    system = list(range(3, 3 + 5 * BLOCK + 7))
+    fed: dict[str, list[int]] = {}
+    for name, worker in on.models.items():
+        if hasattr(worker, "_forward"):
+            real = worker._forward
+
+            def counting(reqs, *a, _real=real, _name=name, **kw):
+                ends = kw.get("ends") or [len(r.tokens) for r in reqs]
+                fed.setdefault(_name, []).append(sum(e - r.cached for r, e in zip(reqs, ends)))
+                return _real(reqs, *a, **kw)
+            worker._forward = counting
+
+    def reqs(salts):
+        return [GenerationRequest(prompt_ids=system + [60 + i, 61, 62 + i], max_new_tokens=8, strategy=strategy,
+                                  sampling=SamplingParams(0.0), ignore_eos=True, cache_salt=s, request_id=f"r{i}")
+                for i, s in enumerate(salts)]
+    salts = [None, None, None, "tenant-b"]
+    results = on.generate_many(reqs(salts))
+    assert [r.token_ids for r in results] == [r.token_ids for r in off.generate_many(reqs(salts))]
+    P = len(system) + 2                                   # prefilled tokens a request (its last one stays pending)
+    shared = len(system) // BLOCK * BLOCK
+    target = fed[on.target][:2]                           # the prefill: leaders, then the followers' rest
+    assert target == [2 * P, 2 * (P - shared)]            # leaders: the first and tenant-b's; two followers
+    assert [r.stats.cached_tokens for r in results] == [0, shared, shared, 0]
