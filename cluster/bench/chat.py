@@ -7,7 +7,9 @@ interleaved turn by turn over the same models' checkpoints, so the ratios are co
   resends the system prompt, the whole history (each earlier user message and the model's answer) and one new
   user message, and the conversations of a turn run together (one batch);
 * ``agent``: the same tool schema (a long preamble) answered again and again with a short varying request, one
-  request at a time (an agent loop).
+  request at a time (an agent loop);
+* ``distinct c=1`` and ``distinct c=16``: prompts that share nothing (what caching costs where it cannot hit), one
+  at a time and 16 together (at most ``engine.max_batch``), two interleaved rounds.
 
 A third row, ``on+suffix``, runs the suffix drafter (past outputs as drafts, :mod:`cluster.core.suffix`) with
 caching on, where the config serves it.
@@ -105,6 +107,18 @@ def run(args, cfg) -> int:
             outs[mode] = res[0].token_ids
         equal += all(o == outs["off"] for o in outs.values())
         total += 1
+    wide = min(16, cfg.engine.max_batch)
+    for c, per in ((1, 8), (wide, wide)):                       # what caching costs where nothing is shared
+        got = {mode: ([], 0.0) for mode in engines}
+        for rep in range(2):                                    # interleaved rounds; unique prompts each
+            for mode, eng in engines.items():
+                prompts = [tok.encode(f"{1000 * c + 100 * rep + i} {ASKS[i % len(ASKS)]} # {SYSTEM[i:i + 120]}")
+                           for i in range(per)]
+                for batch in (prompts[k:k + c] for k in range(0, per, c)):
+                    res, wall = _turn(eng, batch, max_new)
+                    got[mode] = (got[mode][0] + res, got[mode][1] + wall)
+        for mode, (res, wall) in got.items():
+            table.append(_row(f"distinct c={c}", mode, 0, res, wall))
     _summarise(table)
     print_table(table, f"chat: {convs} conversations x {turns} turns sharing a system prompt ({len(system)} tokens), "
                        f"agent: one tool schema ({len(tools)} tokens) {turns * 2} times; prefix caching on / off "
