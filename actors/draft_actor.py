@@ -125,6 +125,9 @@ class DraftHost:
     def active_requests(self) -> list[str]:
         return self.side.active_requests()
 
+    def cache_info(self) -> dict:
+        return self.side.cache_info()
+
     def health(self) -> dict:
         return dict(name=self.side.name, ok=True, active=len(self.side.active_requests()))
 

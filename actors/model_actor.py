@@ -37,6 +37,9 @@ class ModelHost:
     def active_requests(self) -> list[str]:
         return self.worker.active_requests()
 
+    def cache_info(self) -> dict:
+        return self.worker.cache_info()
+
     def health(self) -> dict:
         return dict(name=self.name, ok=True, active=len(self.worker.active_requests()))
 

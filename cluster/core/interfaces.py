@@ -133,6 +133,11 @@ class BatchedHandle(ABC):
         """The request ids it holds state for (operators' view; empty where it does not track them)."""
         return []
 
+    def cache_info(self) -> dict:
+        """Its prefix cache's size now (operators' view): ``tokens`` it can serve, ``slots`` it keeps; a draft
+        side's as ``members``: name -> theirs; empty without a cache."""
+        return {}
+
     def capabilities(self) -> dict:
         """What the handle declares, as plain values (an actor sends it to the remote handle over it)."""
         return dict(name=self.name, vocab_size=self.vocab_size, max_length=self.max_length,

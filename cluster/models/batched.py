@@ -146,6 +146,10 @@ class BatchedHFWorker(BatchedHandle):
         with self._lock:
             return list(self._requests)
 
+    def cache_info(self) -> dict:
+        with self._lock:
+            return self.prefix.size() if self.prefix_caching else {}
+
     def length(self, rid: str) -> int:
         return len(self._get(rid).tokens)
 

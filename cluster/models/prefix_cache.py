@@ -81,6 +81,10 @@ class PrefixIndex:
         self.free: OrderedDict[int, None] = OrderedDict()   # released slots, the longest released first
         self.queries = self.hits = 0                   # prompt tokens looked up / found (vLLM's metric names)
 
+    def size(self) -> dict:
+        """Prompt tokens findable now (distinct blocks held, x BLOCK) and the released slots kept."""
+        return {"tokens": BLOCK * len(self._slot_of), "slots": len(self.free)}
+
     def lookup(self, ids: list[int], salt: str | None, limit: int) -> tuple[int | None, int]:
         """(slot, tokens) of the longest cached chain among ``ids[:limit]`` (None, 0 without one)."""
         slot, found = None, 0

@@ -76,3 +76,18 @@ def test_a_batch_opening_with_one_system_prompt_computes_it_once(strategy):
     target = fed[on.target][:2]                           # the prefill: leaders, then the followers' rest
     assert target == [2 * P, 2 * (P - shared)]            # leaders: the first and tenant-b's; two followers
     assert [r.stats.cached_tokens for r in results] == [0, shared, shared, 0]
+
+
+def test_each_model_reports_its_cache_size_and_an_uncached_one_none():
+    """cache_info (ServerInfo's per-model figures): after a request, the target and the drafter hold its prompt's
+    full blocks in a kept slot; the draft side lists its members'; caching off reports nothing."""
+    on, off = _engine("on"), _engine("off")
+    ids = list(range(3, 3 + 3 * BLOCK + 5))
+    for eng in (on, off):
+        eng.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=6, strategy="speculative",
+                                       sampling=SamplingParams(0.0), ignore_eos=True))
+    target = on.models[on.target].cache_info()
+    assert target["tokens"] >= 3 * BLOCK and target["slots"] == 1
+    side = on.models["@drafts"].cache_info()["members"]
+    assert any(info.get("tokens", 0) >= 3 * BLOCK for info in side.values())
+    assert off.models[off.target].cache_info() == {}

@@ -348,7 +348,8 @@ def test_metrics_urls_that_up_prints_are_scrapeable(served):
 
 def test_grpc_usage_and_server_info_count_the_prefix_cache(served):
     """The same long prompt twice over gRPC: the second response's stats count the prompt tokens the target's
-    prefix cache held, and ServerInfo's running tally (what ``specserve client --info`` prints) includes them."""
+    prefix cache held, and ServerInfo's running tally (what ``specserve client --info`` prints) includes them, with
+    the target's cache size."""
     _, c = served
     before = c.server_info()
     prompt = "def main():\n    " + "total = total + 1\n    " * 8
@@ -359,3 +360,5 @@ def test_grpc_usage_and_server_info_count_the_prefix_cache(served):
     after = c.server_info()
     assert after.prefix_cache_queries - before.prefix_cache_queries >= 2 * second.stats.prompt_tokens
     assert after.prefix_cache_hits - before.prefix_cache_hits >= second.stats.cached_tokens
+    target = next(m for m in after.models if m.role == "target")       # the cache's size per model, asked of it
+    assert target.prefix_cache_tokens >= second.stats.cached_tokens and target.prefix_cache_slots >= 1

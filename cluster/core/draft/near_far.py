@@ -125,6 +125,9 @@ class NearFarSide(BatchedHandle):
     def active_requests(self) -> list[str]:
         return self.near.active_requests()
 
+    def cache_info(self) -> dict:
+        return self.near.cache_info()
+
     def probe(self) -> bool:
         return self.near.probe()
 

@@ -159,6 +159,9 @@ class DraftSide(BatchedHandle):
     def active_requests(self) -> list[str]:
         return list(self._reqs)
 
+    def cache_info(self) -> dict:
+        return {"members": {name: m.cache_info() for name, m in self.members.items()}}
+
     def probe(self) -> bool:
         """After a drafter went away: True once every drafter answers again (those that can tell)."""
         return all(h.probe() for h in self.members.values())

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from actors.protocol import StepCall
 
-ASKS = ("info", "health", "active_requests")
+ASKS = ("info", "health", "active_requests", "cache_info")
 
 
 class Pending(Protocol):

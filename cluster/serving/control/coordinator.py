@@ -253,6 +253,19 @@ class Coordinator:
         """Per model, the request ids holding state there (asks the actors)."""
         return {n: list(e.handle.active_requests()) for n, e in self.entries.items()}
 
+    def cache_info(self) -> dict[str, dict]:
+        """Per model, its prefix cache's size now (asks the actors; a model that does not answer has none listed:
+        the operators' view must not fail on a model that is down)."""
+        out = {}
+        for n, e in self.entries.items():
+            if e.role == "draft-side":
+                continue
+            try:
+                out[n] = e.handle.cache_info()
+            except Exception:                # noqa: BLE001 - down or restarting: no figure for it this time
+                out[n] = {}
+        return out
+
     def timings(self) -> dict:
         return {n: e.handle.timing for n, e in self.entries.items() if e.placement != "local"}
 

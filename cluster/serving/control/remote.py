@@ -135,6 +135,11 @@ class RemoteHandle(BatchedHandle):
     def active_requests(self) -> list[str]:
         return self.channel.ask("active_requests").wait(self.channel.timeout_s)[0]
 
+    def cache_info(self) -> dict:
+        """Rank 0's answer; a draft group member's part of the group's."""
+        info = self.channel.ask("cache_info").wait(self.channel.timeout_s)[0]
+        return info.get("members", {}).get(self.member, {}) if self.member else info
+
     def probe(self) -> bool:
         return self.channel.probe()
 

@@ -166,10 +166,13 @@ def server_info(coord, *, request_ids: bool = True) -> pb.ServerInfoResponse:
     """The server's description; ``request_ids=False`` (a caller without the operator key when auth is on)
     leaves out other clients' request ids: per-model active requests, live and recent requests."""
     active = coord.active_requests() if request_ids else {}
+    cache = coord.cache_info()
     models = [pb.ModelInfo(name=e.name, role=e.role, placement=e.placement,
                            tp_size=getattr(e.handle, "tp_size", 1), vocab_size=e.handle.vocab_size,
                            max_length=getattr(e.handle, "max_length", 0),
-                           num_params=getattr(e.handle, "num_params", 0), active_requests=active.get(e.name, []))
+                           num_params=getattr(e.handle, "num_params", 0), active_requests=active.get(e.name, []),
+                           prefix_cache_tokens=cache.get(e.name, {}).get("tokens", 0),
+                           prefix_cache_slots=cache.get(e.name, {}).get("slots", 0))
               for e in coord.entries.values()]
     strategies = [pb.StrategyInfo(name=n, help=c.help, lossless=c.lossless,
                                   options=[pb.OptionInfo(name=o.name, type=o.kind.__name__, default=str(o.default),
