@@ -134,6 +134,9 @@ class FakeCoordinator:
     def active_requests(self):
         return {"target": ["live-request"]}
 
+    def cache_info(self):
+        return {"target": {"tokens": 32, "slots": 1}}
+
     def live_requests(self):
         return [SimpleNamespace(rid="live-request", status="running")]
 
@@ -205,6 +208,7 @@ def test_server_info_request_ids_only_for_operator(dep):
     user = _run(dep.ServerInfo(pb.ServerInfoRequest(), FakeContext(API)))
     assert user.ready and user.running == 1 and [m.name for m in user.models] == ["target"]
     assert not user.live_requests and not user.recent and not user.models[0].active_requests
+    assert (user.models[0].prefix_cache_tokens, user.models[0].prefix_cache_slots) == (32, 1)   # no request ids
     op = _run(dep.ServerInfo(pb.ServerInfoRequest(), FakeContext(OP)))
     assert list(op.live_requests) == ["live-request"] and [r.request_id for r in op.recent] == ["old-request"]
     assert list(op.models[0].active_requests) == ["live-request"]
