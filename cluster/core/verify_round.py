@@ -131,15 +131,9 @@ def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified
     if any(it.allowed is not None for it in items):
         logits = _masked(logits, items)
     rs = RowSampling.of([it.sampling for it in items], V, device, dtype)
-    draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
-                         device=device).reshape(B, K)
-    lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
-    if rs.all_greedy and items[0].law is None:
-        draws = None                                     # argmax comparisons draw nothing
-    elif all(type(it.rng) is Rng or type(it.rng) is int for it in items):
-        draws = CounterDraws.of([getattr(it.rng, "seed", it.rng) for it in items], [it.start for it in items], device)
-    else:
-        draws = RngDraws([it.rng for it in items])
+    draft, lengths = _drafts(items, K, device)
+    draws = None if rs.all_greedy and items[0].law is None else \
+        _draws(items, [it.start for it in items], device)            # (argmax comparisons draw nothing)
     deferred = None
     if items[0].law is not None:
         verdicts, deferred = _gen_spec(logits, items, rs, draft, lengths, draws, items[0].law)
@@ -155,6 +149,21 @@ def verify_round(logits: torch.Tensor, items: list[VerifyItem]) -> list[Verified
             lp = token_logprobs(raw[b, :acc + 1].cpu(), it.draft[:acc] + [tok], it.logprobs)
         out.append(Verified(acc, tok, bonus, lp, deferred[b]))
     return out
+
+
+def _drafts(items: list, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's drafts as tensors: tokens ``[B, K]`` (zero past each row's own) and lengths ``[B]``."""
+    draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
+                         device=device).reshape(len(items), K)
+    return draft, torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
+
+
+def _draws(items: list, counters: list[int], device):
+    """The round's random source: counter-based draws keyed by each item's seed (an Rng's, or an int) and
+    ``counters``, or the items' own sources where any is not an Rng (the enumeration tests' branching ones)."""
+    if all(type(it.rng) is Rng or type(it.rng) is int for it in items):
+        return CounterDraws.of([getattr(it.rng, "seed", it.rng) for it in items], counters, device)
+    return RngDraws([it.rng for it in items])
 
 
 def _per_group(fn, logits: torch.Tensor, items: list, key) -> list | None:
@@ -257,22 +266,20 @@ def review_round(logits: torch.Tensor, items: list[ReviewItem]) -> list[Reviewed
     logits = logits[:, :K + 1].to(dtype)
     if any(it.allowed is not None for it in items):
         logits = _masked(logits, items)
-    draft = torch.tensor([it.draft + [0] * (K - len(it.draft)) for it in items], dtype=torch.long,
-                         device=device).reshape(B, K)
-    lengths = torch.tensor([len(it.draft) for it in items], dtype=torch.long, device=device)
+    draft, lengths = _drafts(items, K, device)
     lens = torch.tensor([list(it.lenience) + [1.0] * (K - len(it.draft)) for it in items], dtype=dtype,
                         device=device).reshape(B, K)
-    q = _review_q(items, draft, K, V, device, dtype)                                    # [B, K, V]
     rows = torch.arange(B, device=device)
-    if items[0].sampling.greedy:
+    if items[0].sampling.greedy:                      # q read at the drafted tokens only: no [B, K, V] built
         laws = torch.softmax(logits, -1)                                                # [B, K+1, V]
         arg = argmax(logits)
-        qx, px = q.gather(-1, draft[..., None])[..., 0], laws[:, :K].gather(-1, draft[..., None])[..., 0]
+        qx, px = _review_qx(items, draft, dtype), laws[:, :K].gather(-1, draft[..., None])[..., 0]
         ok = (arg[:, :K] == draft) | (qx <= lens * px)
         valid = torch.arange(K, device=device)[None] < lengths[:, None]
         acc = (ok & valid).long().cumprod(-1).sum(-1)
         verdicts = Verdicts(acc, arg[rows, acc], acc == lengths)
     else:
+        q = _review_q(items, draft, K, V, device, dtype)                                # [B, K, V]
         rs = RowSampling.of([it.sampling for it in items], V, device, dtype)
         p = probs_batch(logits, rs)                                                     # [B, K+1, V]
         laws = p
@@ -281,16 +288,27 @@ def review_round(logits: torch.Tensor, items: list[ReviewItem]) -> list[Reviewed
             lossy = lossy_target(q, p[:, :K], 1.0 - 1.0 / l)
             laws = laws.clone() if laws is p else laws
             laws[:, :K] = torch.where(at, lossy, laws[:, :K])
-        if all(type(it.rng) is Rng for it in items):
-            draws = CounterDraws.of([it.rng.seed for it in items], [it.index for it in items], device)
-        else:
-            draws = RngDraws([it.rng for it in items])
-        verdicts = verify_batch(logits, draft, lengths, rs, draws, q=q,
+        verdicts = verify_batch(logits, draft, lengths, rs, _draws(items, [it.index for it in items], device), q=q,
                                 target=None if laws is p else laws[:, :K], p=p)
     out = []
     for b, (acc, tok, bonus) in enumerate(verdicts.tolist()):
         out.append(Reviewed(acc, tok, bonus, laws[b, :acc + 1]))       # row L of laws is p_{L+1}: the bonus law
     return out
+
+
+def _review_qx(items: list[ReviewItem], draft: torch.Tensor, dtype) -> torch.Tensor:
+    """q_i(x_i) ``[B, K]``: 1 where the row is a one-hot (None), the handed-up row at its token elsewhere (one
+    gather over the stacked rows); 0 past each draft."""
+    qx = torch.zeros(draft.shape, dtype=dtype, device=draft.device)
+    one = [(b, i) for b, it in enumerate(items) for i, row in enumerate(it.q) if row is None]
+    if one:
+        qx[tuple(torch.tensor(one, device=draft.device).unbind(1))] = 1.0
+    at = [(b, i) for b, it in enumerate(items) for i, row in enumerate(it.q) if row is not None]
+    if at:
+        b, i = torch.tensor(at, device=draft.device).unbind(1)
+        rows = torch.stack([items[bb].q[ii] for bb, ii in at]).to(draft.device, dtype)          # [N, V]
+        qx[b, i] = rows.gather(1, draft[b, i][:, None])[:, 0]
+    return qx
 
 
 def _review_q(items: list[ReviewItem], draft: torch.Tensor, K: int, V: int, device, dtype) -> torch.Tensor:
