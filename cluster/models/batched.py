@@ -31,7 +31,7 @@ from cluster.core.constraint import mask_logits
 from cluster.core.draft.stop import DraftStop
 from cluster.core.interfaces import BatchedHandle, UnknownRequestError
 from cluster.core.draws import DRAFT, CounterDraws
-from cluster.core.rejection import RowSampling, argmax, pick_rows, sample_batch
+from cluster.core.rejection import RowSampling, pick_rows, sample_batch
 from cluster.core.sampling import Rng, SamplingParams, derive_seed
 from cluster.core.verify_round import review_round, verify_round
 from cluster.models.head import resolve_head
@@ -114,8 +114,9 @@ class BatchedHFWorker(BatchedHandle):
                 reqs.append(req)
                 hits.append(hit)
             after = shared_in_batch([(r.tokens, r.salt, r.cached) for r in reqs]) if self.prefix_caching else {}
+            followers = {reqs[j].slot for j in after}             # copied from their batch's leaders below
             for donor, slot, hit in copies:
-                if slot not in {reqs[j].slot for j in after}:
+                if slot not in followers:
                     self._cache.copy_prefix(donor, slot, hit)
         todo = [r for j, r in enumerate(reqs) if j not in after]
         self._prefill_forward(todo)
@@ -259,13 +260,10 @@ class BatchedHFWorker(BatchedHandle):
                 allowed = torch.stack([rows[j].sampling.constraint.allowed(rows[j].tokens) for j in cons])
                 last = last.index_put((torch.tensor(cons, device=last.device),),      # a copy: the model's
                                       mask_logits(last[cons], allowed.to(last.device)))  # rows stay as they are
-            if all(r.sampling.greedy for r in rows):        # the argmax: no per-row settings or draws to build
-                toks, probs = argmax(last), None
-            else:
-                rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
-                draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
-                toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
-                                           out=None if laws is None else laws[step - 1])
+            rs = RowSampling.of([r.sampling for r in rows], self.vocab_size, last.device)
+            draws = CounterDraws.of([r.rng.seed for r in rows], [starts[i] for i in live], last.device)
+            toks, probs = sample_batch(last, rs, draws, offset=step - 1, purpose=DRAFT,
+                                       out=None if laws is None else laws[step - 1])
             toks = toks.tolist()
             if any(keep[i] for i in live):
                 steps.append(({i: j for j, i in enumerate(live)}, (last, probs)))

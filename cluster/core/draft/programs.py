@@ -225,30 +225,13 @@ def _stack_laws(qs: list, toks: list[int]) -> torch.Tensor | None:
     at = [i for i, r in enumerate(qs) if r is not None]
     if not at:
         return None
-    if len(at) == len(qs):
-        view = _consecutive(qs)
-        return torch.stack(qs) if view is None else view
     rows = torch.stack([qs[i] for i in at])
+    if len(at) == len(qs):
+        return rows
     out = rows.new_zeros(len(qs), rows.shape[-1]).index_copy_(0, torch.tensor(at, device=rows.device), rows)
     one = [i for i, r in enumerate(qs) if r is None]
     out[one, [toks[i] for i in one]] = 1.0
     return out
-
-
-def _consecutive(rows: list[torch.Tensor]) -> torch.Tensor | None:
-    """``rows`` [V] as one ``[L, V]`` view when they are consecutive rows of one tensor (a review's laws handed
-    up whole), else None."""
-    first = rows[0]
-    store = first.untyped_storage().data_ptr()
-    if first.dim() != 1 or first.stride(0) != 1 or any(r.untyped_storage().data_ptr() != store or r.dtype != first.dtype
-                                                        or r.shape != first.shape or r.stride() != first.stride()
-                                                        for r in rows):
-        return None
-    step = rows[1].storage_offset() - first.storage_offset() if len(rows) > 1 else first.shape[0]
-    if step < first.shape[0] or any(r.storage_offset() != first.storage_offset() + i * step
-                                    for i, r in enumerate(rows)):
-        return None
-    return first.as_strided((len(rows), first.shape[0]), (step, 1))
 
 
 def _with_alts(block: DraftBlock, rows: torch.Tensor | None, width: int) -> DraftBlock:
