@@ -1,7 +1,9 @@
 """Chat and agent workloads: what prefix caching buys when clients resend their history every turn.
 
-Two workloads, each run with ``engine.prefix_caching`` on and off, side by side in one process (the two engines
-interleaved turn by turn over the same models' checkpoints, so the ratios are comparable on a noisy machine):
+Two workloads, each run with ``engine.prefix_caching`` on and off, side by side in one run, interleaved turn by turn
+over the same models' checkpoints so the ratios are comparable on a noisy machine; in-process (an engine per row)
+and served (``--runtime``, default both: a Serve application per row, colocated, on one local Ray; a turn's
+requests sent together as gRPC streams on 127.0.0.1, TTFT as the client sees it):
 
 * ``chat``: ``--conversations`` conversations that share one system prompt, ``--turns`` turns each; every turn
   resends the system prompt, the whole history (each earlier user message and the model's answer) and one new
@@ -15,20 +17,24 @@ A third row, ``on+suffix``, runs the suffix drafter (past outputs as drafts, :mo
 caching on, where the config serves it.
 
 Per workload, caching and turn: time to first token p50 / p99, tok/s of the turn's batch, the prompt tokens and
-the share of them the target's prefix cache held (``usage.prompt_tokens_details.cached_tokens``).  A one-line
-prompt's TTFT, measured in the same run, is the yardstick the last turn is compared with, and every output with
+the share of them the target's prefix cache held (``usage.prompt_tokens_details.cached_tokens``).  The TTFT of
+one-line prompts as many together as the row runs (``one-line c=N``, measured in the same run) is the yardstick
+a turn is compared with: what the conversation's length adds, not what its batch does.  Every output with
 caching must equal the output without it (greedy).  ``bench_chat.{csv,json}`` and ``bench_chat.png``.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
 
-from cluster.bench.report import print_table, write_results
+from cluster.bench.report import RUNTIMES, parse_runtimes, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
@@ -45,32 +51,120 @@ ASKS = ["def parse(line):", "class Cache:", "def main():", "import os\n", "def l
         "def retry(fn, n):", "with open(name) as f:"]
 
 
-def _engines(cfg) -> dict[str, tuple]:
-    """Row name -> (engine, strategy): plain decoding with prefix caching on and off, and with the suffix drafter
-    (past outputs as drafts) on top of caching where the config serves it -- each over its own models."""
-    def engine(mode):
-        return build_engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefix_caching=mode)))
-    rows = {"on": (engine("on"), "autoregressive"), "off": (engine("off"), "autoregressive")}
+class Answer(NamedTuple):
+    """One request of a turn, as either runtime reports it."""
+
+    token_ids: list[int]
+    ttft_s: float                # submit to first token (served: as the client saw it, over gRPC)
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class InProcess:
+    """A row on its own in-process engine: a turn's requests together through ``generate_many``."""
+
+    def __init__(self, cfg, caching: str, strategy: str):
+        self.engine, self.strategy = build_engine(_caching(cfg, caching)), strategy
+
+    def turn(self, prompts: list[list[int]], max_new: int) -> tuple[list[Answer], float]:
+        t0 = time.perf_counter()
+        res = self.engine.generate_many([GenerationRequest(prompt_ids=p, max_new_tokens=max_new, sampling=GREEDY,
+                                                           seed=0, strategy=self.strategy, ignore_eos=True)
+                                         for p in prompts])
+        return [Answer(list(r.token_ids), r.stats.ttft_s, r.stats.prompt_tokens, r.stats.cached_tokens)
+                for r in res], time.perf_counter() - t0
+
+
+class Served:
+    """A row served: its own Serve application (colocated) on the suite's proxies, a turn's requests sent
+    together as streams over gRPC on 127.0.0.1 (TTFT as the client sees it)."""
+
+    def __init__(self, client, strategy: str):
+        self.client, self.strategy = client, strategy
+
+    def turn(self, prompts: list[list[int]], max_new: int) -> tuple[list[Answer], float]:
+        out: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            t0, first, result = time.perf_counter(), None, None
+            for chunk in self.client.stream(prompt_ids=prompts[i], max_new_tokens=max_new, temperature=0.0,
+                                            seed=0, strategy=self.strategy, ignore_eos=True):
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter()
+                if chunk.HasField("result"):
+                    result = chunk.result
+            st = result.stats
+            out[i] = Answer(list(result.token_ids), first - t0, st.prompt_tokens, st.cached_tokens)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(a is None for a in out):
+            raise RuntimeError("bench chat: a served request failed (see the server's log)")
+        return out, time.perf_counter() - t0
+
+
+def _caching(cfg, mode: str):
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefix_caching=mode))
+
+
+def _modes(cfg) -> dict[str, tuple[str, str]]:
+    """Row name -> (prefix caching, strategy): plain decoding with caching on and off, and with the suffix
+    drafter (past outputs as drafts) on top of caching where the config serves it."""
+    modes = {"on": ("on", "autoregressive"), "off": ("off", "autoregressive")}
     if cfg.suffix is not None:
-        rows["on+suffix"] = (engine("on"), "suffix")
-    return rows
+        modes["on+suffix"] = ("on", "suffix")
+    return modes
 
 
-def _turn(row: tuple, prompts: list[list[int]], max_new: int):
-    engine, strategy = row
-    t0 = time.perf_counter()
-    res = engine.generate_many([GenerationRequest(prompt_ids=p, max_new_tokens=max_new, sampling=GREEDY, seed=0,
-                                                  strategy=strategy, ignore_eos=True) for p in prompts])
-    return res, time.perf_counter() - t0
+@contextmanager
+def _rows(cfg, runtimes: list[str]):
+    """(runtime, row name) -> a runner with ``turn``; the served rows' applications run on one Serve (a local
+    Ray, on free ports) until the block ends, each row on its own unit."""
+    modes = _modes(cfg)
+    rows = {("in-process", m): InProcess(cfg, c, s) for m, (c, s) in modes.items()} if "in-process" in runtimes \
+        else {}
+    if "cluster" not in runtimes:
+        yield rows
+        return
+    import ray
+    from ray import serve
+
+    from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, served_config
+    from cluster.serving.client.sdk import SpecServeClient
+    from cluster.serving.fronts.app import build_app, start_serve
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    base = served_config(cfg, "colocated")
+    with ExitStack() as stack:
+        stack.callback(lambda: ray.shutdown() if started else None)
+        stack.callback(serve.shutdown)
+        for m, (caching, strategy) in modes.items():
+            scfg = _caching(dataclasses.replace(base, cluster=dataclasses.replace(
+                base.cluster, app_name=f"chat-{m.replace('+', '-')}")), caching)
+            if rows.keys() & {("served", other) for other in modes}:     # Serve runs: one more application
+                serve.run(build_app(scfg), name=scfg.cluster.app_name, route_prefix=f"/{scfg.cluster.app_name}")
+            else:
+                start_serve(scfg)
+            client = SpecServeClient(f"127.0.0.1:{scfg.cluster.grpc_port}", app=scfg.cluster.app_name,
+                                     timeout=REQUEST_TIMEOUT_S, api_key="")
+            stack.callback(client.close)
+            client.wait_ready(READY_TIMEOUT_S)
+            rows[("served", m)] = Served(client, strategy)
+        yield rows
 
 
-def _row(workload, mode, turn, results, wall) -> dict:
-    ttft = [r.stats.ttft_s * 1e3 for r in results]
-    prompt = sum(r.stats.prompt_tokens for r in results)
-    cached = sum(r.stats.cached_tokens for r in results)
-    return {"workload": workload, "caching": mode, "turn": turn, "requests": len(results),
+def _row(runtime, workload, mode, turn, answers: list[Answer], wall) -> dict:
+    ttft = [a.ttft_s * 1e3 for a in answers]
+    prompt = sum(a.prompt_tokens for a in answers)
+    cached = sum(a.cached_tokens for a in answers)
+    return {"runtime": runtime, "workload": workload, "caching": mode, "turn": turn, "requests": len(answers),
             "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 2), "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 2),
-            "tok_s": round(sum(len(r.token_ids) for r in results) / wall, 1), "prompt_tokens": prompt,
+            "tok_s": round(sum(len(a.token_ids) for a in answers) / wall, 1), "prompt_tokens": prompt,
             "hit_rate": round(cached / prompt, 3) if prompt else 0.0}
 
 
@@ -78,53 +172,16 @@ def run(args, cfg) -> int:
     convs = check_int("conversations", getattr(args, "conversations", None) or 8, 1, 64)
     turns = check_int("turns", getattr(args, "turns", None) or 4, 1, 16)
     max_new = check_int("max_new_tokens", getattr(args, "max_new_tokens", None) or 24, 1, 256)
-    engines = _engines(cfg)
-    tok = engines["on"][0].tokenizer
-    system = tok.encode(SYSTEM)
-    table, equal, total = [], 0, 0
-    for mode, eng in engines.items():                           # warm-up and the one-line yardstick
-        _turn(eng, [tok.encode("hi")], 4)
-        res, wall = _turn(eng, [tok.encode(ASKS[0])], max_new)
-        table.append(_row("one-line", mode, 0, res, wall))
-    history = {mode: [list(system) for _ in range(convs)] for mode in engines}
-    for turn in tqdm(range(1, turns + 1), desc="bench chat", unit="turn"):
-        outs = {}
-        for mode, eng in engines.items():
-            prompts = [h + tok.encode(f"\nUser: {ASKS[(turn + i) % len(ASKS)]}\nAssistant:")
-                       for i, h in enumerate(history[mode])]
-            res, wall = _turn(eng, prompts, max_new)
-            table.append(_row("chat", mode, turn, res, wall))
-            history[mode] = [p + r.token_ids for p, r in zip(prompts, res)]
-            outs[mode] = [r.token_ids for r in res]
-        equal += sum(all(o[i] == outs["off"][i] for o in outs.values()) for i in range(convs))
-        total += convs
-    tools = tok.encode(TOOLS)
-    for i in tqdm(range(turns * 2), desc="bench agent", unit="call"):
-        outs = {}
-        for mode, eng in engines.items():
-            res, wall = _turn(eng, [tools + tok.encode(f"\nTask {i}: {ASKS[i % len(ASKS)]}")], max_new)
-            table.append(_row("agent", mode, i + 1, res, wall))
-            outs[mode] = res[0].token_ids
-        equal += all(o == outs["off"] for o in outs.values())
-        total += 1
-    wide = min(16, cfg.engine.max_batch)
-    for c, per in ((1, 8), (wide, wide)):                       # what caching costs where nothing is shared
-        got = {mode: ([], 0.0) for mode in engines}
-        for rep in range(2):                                    # interleaved rounds; unique prompts each
-            for mode, eng in engines.items():
-                prompts = [tok.encode(f"{1000 * c + 100 * rep + i} {ASKS[i % len(ASKS)]} # {SYSTEM[i:i + 120]}")
-                           for i in range(per)]
-                for batch in (prompts[k:k + c] for k in range(0, per, c)):
-                    res, wall = _turn(eng, batch, max_new)
-                    got[mode] = (got[mode][0] + res, got[mode][1] + wall)
-        for mode, (res, wall) in got.items():
-            table.append(_row(f"distinct c={c}", mode, 0, res, wall))
+    runtimes = parse_runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
+    from cluster.models.build import load_tokenizer
+    tok = load_tokenizer(cfg)
+    with _rows(cfg, runtimes) as rows:
+        table, equal, total, system, tools = _workloads(rows, tok, cfg, convs, turns, max_new)
     _summarise(table)
     print_table(table, f"chat: {convs} conversations x {turns} turns sharing a system prompt ({len(system)} tokens), "
                        f"agent: one tool schema ({len(tools)} tokens) {turns * 2} times; prefix caching on / off "
-                       f"(and on + the suffix drafter), greedy, {max_new} new tokens; outputs equal across rows: "
-                       f"{equal}/{total}; "
-                       f"config {cfg.source}")
+                       f"(and on + the suffix drafter), {' and '.join(runtimes)}, greedy, {max_new} new tokens; "
+                       f"outputs equal across rows: {equal}/{total}; config {cfg.source}")
     out = Path(args.out)
     write_results(table, out, "bench_chat")
     _plot(table, out / "bench_chat.png")
@@ -132,13 +189,63 @@ def run(args, cfg) -> int:
     return 0 if equal == total else 1
 
 
+def _workloads(rows: dict, tok, cfg, convs: int, turns: int, max_new: int):
+    """Every workload over every row, interleaved turn by turn -> (table, outputs equal, outputs, the system
+    prompt's ids, the tool schema's ids)."""
+    table, equal, total = [], 0, 0
+    ref = next(key for key in rows if key[1] == "off")            # the row every output is compared with
+    for key, row in rows.items():              # warm-up and the one-line yardsticks: alone, and as many together
+        row.turn([tok.encode("hi")], 4)            # as a chat turn runs (what the turn's TTFT is compared with)
+        for c in sorted({1, convs}):
+            res, wall = row.turn([tok.encode(ASKS[i % len(ASKS)]) for i in range(c)], max_new)
+            table.append(_row(*key[:1], f"one-line c={c}", key[1], 0, res, wall))
+    system = tok.encode(SYSTEM)
+    history = {key: [list(system) for _ in range(convs)] for key in rows}
+    for turn in tqdm(range(1, turns + 1), desc="bench chat", unit="turn"):
+        outs = {}
+        for key, row in rows.items():
+            prompts = [h + tok.encode(f"\nUser: {ASKS[(turn + i) % len(ASKS)]}\nAssistant:")
+                       for i, h in enumerate(history[key])]
+            res, wall = row.turn(prompts, max_new)
+            table.append(_row(key[0], "chat", key[1], turn, res, wall))
+            history[key] = [p + r.token_ids for p, r in zip(prompts, res)]
+            outs[key] = [r.token_ids for r in res]
+        equal += sum(all(o[i] == outs[ref][i] for o in outs.values()) for i in range(convs))
+        total += convs
+    tools = tok.encode(TOOLS)
+    for i in tqdm(range(turns * 2), desc="bench agent", unit="call"):
+        outs = {}
+        for key, row in rows.items():
+            res, wall = row.turn([tools + tok.encode(f"\nTask {i}: {ASKS[i % len(ASKS)]}")], max_new)
+            table.append(_row(key[0], "agent", key[1], i + 1, res, wall))
+            outs[key] = res[0].token_ids
+        equal += all(o == outs[ref] for o in outs.values())
+        total += 1
+    wide = min(16, cfg.engine.max_batch)
+    for c, per in ((1, 8), (wide, wide)):                       # what caching costs where nothing is shared
+        got = {key: ([], 0.0) for key in rows}
+        for rep in range(2):                                    # interleaved rounds; unique prompts each
+            for key, row in rows.items():
+                prompts = [tok.encode(f"{1000 * c + 100 * rep + i} {ASKS[i % len(ASKS)]} # {SYSTEM[i:i + 120]}")
+                           for i in range(per)]
+                for batch in (prompts[k:k + c] for k in range(0, per, c)):
+                    res, wall = row.turn(batch, max_new)
+                    got[key] = (got[key][0] + res, got[key][1] + wall)
+        for key, (res, wall) in got.items():
+            table.append(_row(key[0], f"distinct c={c}", key[1], 0, res, wall))
+    return table, equal, total, system, tools
+
+
 def _summarise(table: list[dict]) -> None:
-    """The goals' ratios on each row: TTFT over the one-line prompt's, tok/s over caching off's same turn."""
-    line = {r["caching"]: r["ttft_p50_ms"] for r in table if r["workload"] == "one-line"}
-    off = {(r["workload"], r["turn"]): r for r in table if r["caching"] == "off"}
+    """The goals' ratios on each row: TTFT over that of one-line prompts as many together (a chat turn: its
+    conversations; the agent and ``distinct c=1``: one), tok/s over caching off's same turn."""
+    line = {(r["runtime"], r["caching"], r["requests"]): r["ttft_p50_ms"] for r in table
+            if r["workload"].startswith("one-line")}
+    off = {(r["runtime"], r["workload"], r["turn"]): r for r in table if r["caching"] == "off"}
     for r in table:
-        r["ttft_vs_one_line"] = round(r["ttft_p50_ms"] / line[r["caching"]], 2) if line.get(r["caching"]) else None
-        base = off.get((r["workload"], r["turn"]))
+        base = line.get((r["runtime"], r["caching"], r["requests"]))
+        r["ttft_vs_one_line"] = round(r["ttft_p50_ms"] / base, 2) if base else None
+        base = off.get((r["runtime"], r["workload"], r["turn"]))
         r["tok_s_vs_off"] = round(r["tok_s"] / base["tok_s"], 2) if base and base["tok_s"] else None
 
 
@@ -149,22 +256,25 @@ def _plot(table: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:                                  # the bench extra is not installed: the table is all
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, workload in zip(axes, ("chat", "agent")):
-        for mode, color in (("on", "tab:blue"), ("off", "tab:red"), ("on+suffix", "tab:green")):
-            sel = [r for r in table if r["workload"] == workload and r["caching"] == mode]
-            if not sel:
-                continue
-            ax.plot([r["turn"] for r in sel], [r["ttft_p50_ms"] for r in sel], marker="o", color=color,
-                    label=f"prefix caching {mode}")
-        line = [r["ttft_p50_ms"] for r in table if r["workload"] == "one-line" and r["caching"] == "on"]
-        if line:
-            ax.axhline(line[0], color="gray", ls="--", label="one-line prompt")
-        ax.set_title(workload)
-        ax.set_xlabel("turn" if workload == "chat" else "call")
-        ax.set_ylabel("TTFT p50 (ms)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    runtimes = list(dict.fromkeys(r["runtime"] for r in table))
+    fig, axes = plt.subplots(len(runtimes), 2, figsize=(10, 4 * len(runtimes)), squeeze=False)
+    for axrow, runtime in zip(axes, runtimes):
+        for ax, workload in zip(axrow, ("chat", "agent")):
+            mine = [r for r in table if r["runtime"] == runtime]
+            for mode, color in (("on", "tab:blue"), ("off", "tab:red"), ("on+suffix", "tab:green")):
+                sel = [r for r in mine if r["workload"] == workload and r["caching"] == mode]
+                if sel:
+                    ax.plot([r["turn"] for r in sel], [r["ttft_p50_ms"] for r in sel], marker="o", color=color,
+                            label=f"prefix caching {mode}")
+            c = max(r["requests"] for r in mine if r["workload"] == workload)
+            line = [r["ttft_p50_ms"] for r in mine if r["workload"] == f"one-line c={c}" and r["caching"] == "on"]
+            if line:
+                ax.axhline(line[0], color="gray", ls="--", label=f"one-line prompts, {c} together")
+            ax.set_title(f"{workload}, {runtime}")
+            ax.set_xlabel("turn" if workload == "chat" else "call")
+            ax.set_ylabel("TTFT p50 (ms)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

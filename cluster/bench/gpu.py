@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from cluster.bench import SUITES, gpu_shapes, projection
-from cluster.bench.load import collect, parse_runtimes
+from cluster.bench.load import collect
+from cluster.bench.report import parse_runtimes
 from cluster.bench.load_report import mismatches
 from cluster.bench.measure import drafting_rows, forward_cost_grid
 from cluster.bench.report import print_table, write_results

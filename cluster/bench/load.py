@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cluster.bench.load_report import goal_lines, lossless_line, make_table, plot
-from cluster.bench.report import Timed, pct, print_table, write_results
+from cluster.bench.report import RUNTIMES, Timed, parse_ints, parse_runtimes, pct, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -32,26 +32,12 @@ from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 
 LEVELS = (1, 2, 4, 8, 16, 32)
-RUNTIMES = ("in-process", "cluster")
 WARMUP_TOKENS = 4
 
 
 def parse_concurrency(text) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, distinct; each in [1, 1024])."""
-    try:
-        levels = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text) from None
-    if not levels:
-        raise ParamError("concurrency", "comma-separated integers in [1, 1024]", text)
-    return sorted({check_int("concurrency", c, 1, 1024) for c in levels})
-
-
-def parse_runtimes(text) -> list[str]:
-    names = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not names or any(n not in RUNTIMES for n in names):
-        raise ParamError("runtime", "comma-separated of " + ", ".join(RUNTIMES), text)
-    return [r for r in RUNTIMES if r in names]
+    return sorted(set(parse_ints("concurrency", text, 1, 1024)))
 
 
 @dataclass

@@ -13,22 +13,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.bench.report import Row, print_table, write_results
+from cluster.bench.report import Row, parse_ints, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
-from cluster.errors import ParamError, check_int
+from cluster.errors import check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
 
 
 def parse_ks(text: str) -> list[int]:
-    try:
-        ks = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ParamError("ks", "comma-separated integers in [1, 16]", text) from None
-    if not ks:
-        raise ParamError("ks", "comma-separated integers in [1, 16]", text)
-    return [check_int("ks", k, 1, 16) for k in ks]
+    return parse_ints("ks", text, 1, 16)
 
 
 def bench_prompts(engine, n: int) -> list[list[int]]:

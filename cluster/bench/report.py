@@ -14,6 +14,31 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.errors import ParamError, check_int
+
+RUNTIMES = ("in-process", "cluster")       # --runtime of the suites that run both
+
+
+def parse_ints(name: str, text, low: int, high: int) -> list[int]:
+    """A comma-separated option (``"1,2,4"``) -> its integers in order, each in [low, high]; ParamError naming
+    ``name`` otherwise."""
+    allowed = f"comma-separated integers in [{low}, {high}]"
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ParamError(name, allowed, text) from None
+    if not out:
+        raise ParamError(name, allowed, text)
+    return [check_int(name, v, low, high) for v in out]
+
+
+def parse_runtimes(text) -> list[str]:
+    """``--runtime`` -> the runtimes named, in :data:`RUNTIMES` order."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names or any(n not in RUNTIMES for n in names):
+        raise ParamError("runtime", "comma-separated of " + ", ".join(RUNTIMES), text)
+    return [r for r in RUNTIMES if r in names]
+
 
 @dataclass
 class Timed:

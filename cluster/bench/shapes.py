@@ -25,7 +25,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from cluster.bench.report import print_table, write_results
+from cluster.bench.report import RUNTIMES, parse_ints, parse_runtimes, print_table, write_results
 from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, WARMUP_TOKENS, served_config
 from cluster.bench.served_cells import served_cell
 from cluster.config.paths import default_cache_dir
@@ -33,7 +33,6 @@ from cluster.config.schema import load_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
-from cluster.errors import ParamError, check_int
 from cluster.local import build_engine
 from cluster.serving.client.sdk import SpecServeClient
 from cluster.serving.fronts.app import start_serve
@@ -47,7 +46,6 @@ SAMPLERS = ("reference", "batched")
 OPTIONS = {"drafter": "drafter", "k": K}
 STRATEGIES = {"autoregressive": {}, "speculative": OPTIONS,       # the cells' strategies and their options;
               "cs_drafting": {"drafters": "drafter,suffix"}}        # CS Drafting in-process only
-RUNTIMES = ("in-process", "cluster")
 SEED = 100
 
 
@@ -107,16 +105,6 @@ def engine_for(path: Path, sampler: str, rows: int, root: Path, cascade: bool = 
     return build_engine(config_for(path, sampler, rows, root, cascade))
 
 
-def _parse(text, name: str, low: int, high: int) -> list[int]:
-    try:
-        out = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ParamError(name, f"comma-separated integers in [{low}, {high}]", text) from None
-    if not out:
-        raise ParamError(name, f"comma-separated integers in [{low}, {high}]", text)
-    return [check_int(name, v, low, high) for v in out]
-
-
 def floor_passes(rows: int, vocab: int, repeat: int = 3) -> dict:
     """Milliseconds of one argmax and one softmax over a rows x 9 x V float32 block (best of ``repeat``)."""
     x = torch.randn(rows, 2 * K + 1, vocab)
@@ -152,17 +140,10 @@ def measure(engine: Engine, clock: _ForwardClock, rows: int, strategy: str, temp
             "own_ms": 1e3 * (wall - model) / steps, "tokens": [r.token_ids for r in results]}
 
 
-def _runtimes(text) -> list[str]:
-    out = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not out or any(x not in RUNTIMES for x in out):
-        raise ParamError("runtime", f"comma-separated of {', '.join(RUNTIMES)}", text)
-    return out
-
-
 def run(args, cfg) -> int:
-    vocabs = _parse(getattr(args, "vocabs", None) or ",".join(map(str, VOCABS)), "vocabs", 16, 262144)
-    row_counts = _parse(getattr(args, "rows", None) or ",".join(map(str, ROWS)), "rows", 1, 256)
-    served = "cluster" in _runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
+    vocabs = parse_ints("vocabs", getattr(args, "vocabs", None) or ",".join(map(str, VOCABS)), 16, 262144)
+    row_counts = parse_ints("rows", getattr(args, "rows", None) or ",".join(map(str, ROWS)), 1, 256)
+    served = "cluster" in parse_runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
     torch.set_num_threads(1)
     table = []
     kinds = [(t, s) for t in (0.0, 1.0) for s in ("autoregressive", "speculative")]          # served too

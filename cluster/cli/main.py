@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--suite", default="main", help="comma-separated benchmark suites (default: main)")
     b.add_argument("--concurrency",
                    help="load and served suites: comma-separated client counts (default 1,2,4,8,16,32)")
-    b.add_argument("--runtime", help="load, gpu and shapes suites: comma-separated of in-process, cluster "
+    b.add_argument("--runtime", help="load, gpu, shapes and chat suites: comma-separated of in-process, cluster "
                    "(default both)")
     b.add_argument("--vocabs", help="shapes suite: comma-separated vocabulary sizes (default 4096,32000,128256)")
     b.add_argument("--rows", help="shapes suite: comma-separated batch sizes (default 1,8,32)")
