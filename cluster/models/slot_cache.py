@@ -89,7 +89,7 @@ class SlotLayer(CacheLayerMixin):
         B = key_states.shape[0]
         if p.contiguous and p.offset is not None:   # one slot range at one offset (a decoding step): a slice
             sl, at = slice(p.first, p.first + B), slice(p.offset, p.offset + key_states.shape[2])
-            self.keys[sl, :, at] = key_states.to(self.dtype)                    # a scatter costs 7x as much
+            self.keys[sl, :, at] = key_states.to(self.dtype)                    # a scatter costs several slices
             self.values[sl, :, at] = value_states.to(self.dtype)
         else:
             rows = p.slots.to(self.device)[:, None]                             # [B, 1]
