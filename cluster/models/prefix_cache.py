@@ -4,7 +4,8 @@ A worker keeps every request's keys and values in a slot of its :class:`cluster.
 released slot's states stay valid until the slot is written again.  This index remembers, for token blocks of
 ``BLOCK`` tokens, which slot holds them, keyed by chained hashes (block i's key covers blocks 0..i and the request's
 ``cache_salt``, as vLLM's automatic prefix caching keys its blocks), so a new request whose prompt starts with a
-known chain is prefilled from there on:
+known chain is prefilled from there on, and further: the chain finds a slot, and the slot's own token ids take the
+match on token by token (a slot holds a request's states at every position it fed, not only whole blocks):
 
 * from a **released** slot the request takes the slot itself (no copy);
 * from a **running** request's slot (its prompt blocks) the prefix is copied into the new slot on the device.
@@ -78,21 +79,30 @@ class PrefixIndex:
     def __init__(self):
         self._slot_of: dict[int, dict[int, None]] = {}  # block key -> the slots holding it, latest last
         self._keys_of: dict[int, list[int]] = {}       # slot -> the keys it registered
+        self._ids_of: dict[int, list[int]] = {}        # slot -> the token ids it registered (its valid states)
         self.free: OrderedDict[int, None] = OrderedDict()   # released slots, the longest released first
         self.queries = self.hits = 0                   # prompt tokens looked up / found (vLLM's metric names)
 
     def size(self) -> dict:
-        """Prompt tokens findable now (distinct blocks held, x BLOCK) and the released slots kept."""
+        """Prompt tokens findable now (distinct blocks held, x BLOCK: what a lookup finds before it continues
+        token by token) and the released slots kept."""
         return {"tokens": BLOCK * len(self._slot_of), "slots": len(self.free)}
 
     def lookup(self, ids: list[int], salt: str | None, limit: int) -> tuple[int | None, int]:
-        """(slot, tokens) of the longest cached chain among ``ids[:limit]`` (None, 0 without one)."""
+        """(slot, tokens) of the longest cached chain among ``ids[:limit]`` (None, 0 without one), continued token
+        by token as far as the slot holds the same ids: a slot is one request's states at every position it
+        fed, so past its last shared block it still holds the tokens the two have in common (a conversation's
+        next turn resends the last answer, which ends anywhere in a block)."""
         slot, found = None, 0
         for i, key in enumerate(chain(ids, salt, limit)):
             holders = self._slot_of.get(key)
             if not holders:
                 break
             slot, found = next(reversed(holders)), (i + 1) * BLOCK
+        if slot is not None:
+            held, end = self._ids_of[slot], min(limit, len(self._ids_of[slot]))
+            while found < end and held[found] == ids[found]:
+                found += 1
         self.queries += max(limit, 0)
         self.hits += found
         return slot, found
@@ -101,12 +111,13 @@ class PrefixIndex:
         """``slot`` holds valid states for ``ids[:n]``: its full blocks become findable there."""
         self.forget(slot)
         keys = chain(ids, salt, n)
-        self._keys_of[slot] = keys
+        self._keys_of[slot], self._ids_of[slot] = keys, list(ids[:n])
         for key in keys:
             self._slot_of.setdefault(key, {})[slot] = None
 
     def forget(self, slot: int) -> None:
         """``slot`` is about to be written from position 0 again (or below what it registered)."""
+        self._ids_of.pop(slot, None)
         for key in self._keys_of.pop(slot, ()):
             holders = self._slot_of.get(key)
             if holders is not None:
