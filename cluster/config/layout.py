@@ -194,6 +194,9 @@ class ClusterSpec:
     replicas: int = 1                 # serving units (Serve replicas); or scaled by `autoscaling`
     autoscaling: AutoscalingSpec | None = None
     drain_timeout_s: float = 120.0    # a unit being removed finishes its requests for up to this long
+    # while Ray restarts a lost target (or the unit rebuilds its TP group) Serve's health check passes for up to
+    # this long, so the unit's requests wait and resume on it instead of Serve replacing the unit, requests and all
+    target_restart_grace_s: float = 60.0
     app_name: str = "specserve"
     grpc_port: int = 9000
     # where `specserve up`'s gRPC proxy listens (docs/operator-guide.md, "Secure"): loopback unless named; TLS when
@@ -233,8 +236,9 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.replicas: leave it out with autoscaling (use "
                                   f"autoscaling.initial_units), got {self.replicas}")
             self.autoscaling.validate(f"{path}.autoscaling")
-        if not 0 <= self.drain_timeout_s <= 86400:
-            raise ConfigError(f"{path}.drain_timeout_s: must be in [0, 86400], got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "target_restart_grace_s"):
+            if not 0 <= getattr(self, name) <= 86400:
+                raise ConfigError(f"{path}.{name}: must be in [0, 86400], got {getattr(self, name)}")
         if self.call_timeout_s <= 0:
             raise ConfigError(f"{path}.call_timeout_s: must be > 0, got {self.call_timeout_s}")
         if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():

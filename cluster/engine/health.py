@@ -12,6 +12,7 @@ limit; new requests are refused until it answers again.
 from __future__ import annotations
 
 import logging
+import time
 
 from cluster.core.interfaces import BatchedHandle
 
@@ -22,11 +23,17 @@ class ModelHealth:
     def __init__(self, models: dict[str, BatchedHandle]):
         self.models = models
         self.down: set[str] = set()
+        self._since: dict[str, float] = {}        # a model that is down -> when it was marked down (monotonic)
 
     def mark_down(self, name: str, why: BaseException) -> None:
         if name not in self.down:
             log.warning("model %s is down (%s); its requests continue without it", name, why)
+            self._since[name] = time.monotonic()
         self.down.add(name)
+
+    def down_for(self, name: str) -> float | None:
+        """Seconds since ``name`` went down; None while it answers."""
+        return time.monotonic() - self._since[name] if name in self.down else None
 
     def refresh(self) -> set[str]:
         """Probe the models that are down; returns the ones that answer again."""
@@ -37,4 +44,6 @@ class ModelHealth:
         if back:
             log.warning("model(s) %s answer again", ", ".join(sorted(back)))
         self.down -= back
+        for name in back:
+            self._since.pop(name, None)
         return back

@@ -114,6 +114,8 @@ def test_dead_target_requests_resume_exactly_and_the_unit_serves_again(unit, tem
     os.kill(old, signal.SIGKILL)
     t_kill = time.perf_counter()
     _poll(lambda: not coord.ready, "health to say NOT_SERVING", timeout=10)
+    _poll(lambda: "target" in coord.engine.health.down, "the watchdog to mark the target down", timeout=10)
+    coord.health()          # Serve's replica check passes while Ray restarts it: the unit is not replaced
     for t in threads:
         t.join(DEADLINE_S)
     done_in = time.perf_counter() - t_kill

@@ -30,6 +30,7 @@ from cluster.engine.request import (
     StreamChunk,
 )
 from cluster.engine.sequence import WAITING, Sequence
+from cluster.errors import ModelUnavailableError
 from cluster.models.host import setup_process
 from cluster.serving.control.chunks import ChunkBox, StepDelivery, paced, wake_rule
 from cluster.serving.ops.metrics import Timeline
@@ -235,13 +236,23 @@ class Coordinator:
 
     def health(self) -> dict:
         """Serve's replica health check: ping the target's actors (raises if one is gone: nothing is served
-        without it, and Serve replaces the unit).  A drafter that does not answer fails no check: the watchdog
-        has marked it down, its requests go on on the target alone and speculation resumes once it is back
-        (cluster/engine/health.py); failing here would make Serve kill the whole unit, requests and all."""
+        without it, and Serve replaces the unit).  A target the watchdog has marked down is not pinged: for
+        ``cluster.target_restart_grace_s`` it counts as restarting (Ray restarts the actor, the unit rebuilds a TP
+        group) and the check passes, so the requests waiting for it resume on it (``engine.resume_limit``); past
+        that the check fails and Serve replaces the unit.  A drafter that does not answer fails no check: the
+        watchdog has marked it down, its requests go on on the target alone and speculation resumes once it is
+        back (cluster/engine/health.py); failing here would make Serve kill the whole unit, requests and all."""
         out = {}
         for e in self.entries.values():
             if e.placement != "local" and e.name == self.cfg.target:
-                out[e.name] = e.handle.channel.health()
+                down = self.engine.health.down_for(e.name)
+                if down is None:
+                    out[e.name] = e.handle.channel.health()
+                elif down <= self.cfg.cluster.target_restart_grace_s:
+                    out[e.name] = "restarting"
+                else:
+                    raise ModelUnavailableError(e.name, f"down for {down:.0f}s, past "
+                                                        f"cluster.target_restart_grace_s")
             else:
                 out[e.name] = "down" if e.name in self.engine.health.down else "ok"
         return out
