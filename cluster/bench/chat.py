@@ -51,6 +51,9 @@ ASKS = ["def parse(line):", "class Cache:", "def main():", "import os\n", "def l
         "def retry(fn, n):", "with open(name) as f:"]
 
 
+_LABEL = {"in-process": "in-process", "cluster": "served"}      # --runtime -> the rows' runtime column
+
+
 class Answer(NamedTuple):
     """One request of a turn, as either runtime reports it."""
 
@@ -125,7 +128,7 @@ def _rows(cfg, runtimes: list[str]):
     """(runtime, row name) -> a runner with ``turn``; the served rows' applications run on one Serve (a local
     Ray, on free ports) until the block ends, each row on its own unit."""
     modes = _modes(cfg)
-    rows = {("in-process", m): InProcess(cfg, c, s) for m, (c, s) in modes.items()} if "in-process" in runtimes \
+    rows = {(_LABEL["in-process"], m): InProcess(cfg, c, s) for m, (c, s) in modes.items()} if "in-process" in runtimes \
         else {}
     if "cluster" not in runtimes:
         yield rows
@@ -146,7 +149,7 @@ def _rows(cfg, runtimes: list[str]):
         for m, (caching, strategy) in modes.items():
             scfg = _caching(dataclasses.replace(base, cluster=dataclasses.replace(
                 base.cluster, app_name=f"chat-{m.replace('+', '-')}")), caching)
-            if rows.keys() & {("served", other) for other in modes}:     # Serve runs: one more application
+            if rows.keys() & {(_LABEL["cluster"], other) for other in modes}:     # Serve runs: one more application
                 serve.run(build_app(scfg), name=scfg.cluster.app_name, route_prefix=f"/{scfg.cluster.app_name}")
             else:
                 start_serve(scfg)
@@ -154,7 +157,7 @@ def _rows(cfg, runtimes: list[str]):
                                      timeout=REQUEST_TIMEOUT_S, api_key="")
             stack.callback(client.close)
             client.wait_ready(READY_TIMEOUT_S)
-            rows[("served", m)] = Served(client, strategy)
+            rows[(_LABEL["cluster"], m)] = Served(client, strategy)
         yield rows
 
 
@@ -180,7 +183,7 @@ def run(args, cfg) -> int:
     _summarise(table)
     print_table(table, f"chat: {convs} conversations x {turns} turns sharing a system prompt ({len(system)} tokens), "
                        f"agent: one tool schema ({len(tools)} tokens) {turns * 2} times; prefix caching on / off "
-                       f"(and on + the suffix drafter), {' and '.join(runtimes)}, greedy, {max_new} new tokens; "
+                       f"(and on + the suffix drafter), {' and '.join(_LABEL[r] for r in runtimes)}, greedy, {max_new} new tokens; "
                        f"outputs equal across rows: {equal}/{total}; config {cfg.source}")
     out = Path(args.out)
     write_results(table, out, "bench_chat")

@@ -67,8 +67,9 @@ SECTIONS = (
         Table("bench_edit", "Chat requests asking for one small change, with and without a prediction."),)),
     Section("chat", "Chat and agent workloads with prefix caching", "specserve bench --suite chat", (
         Table("bench_chat", "Conversations resending their history each turn and an agent loop over one tool "
-              "schema, prefix caching on / off side by side; ttft in ms; hit_rate: prompt tokens the target's "
-              "cache held."),)),
+              "schema, prefix caching on / off side by side, in-process and served (gRPC streams, TTFT as the "
+              "client sees it); ttft in ms; hit_rate: prompt tokens the target's cache held; ttft_vs_one_line: "
+              "over one-line prompts as many together."),)),
     Section("grammar", "Structured output: the grammar's share of a step", "specserve bench --suite grammar", (
         Table("bench_grammar_engine", "Greedy JSON answers per strategy: ms per token, and the grammar's part."),)),
     Section("shapes", "Production shapes: the engine's own work per step", "specserve bench --suite shapes", (
