@@ -231,7 +231,7 @@ def keep_measured(page: str, previous: str) -> str:
         if skip:                               # the rest of this section came with the old one
             continue
         was = old.get(title, [])
-        if line.startswith("Not measured in this output") and any(x.startswith("### ") for x in was):
+        if line.startswith("Not measured in this output") and any(x.startswith(("### ", "| ")) for x in was):
             body = [x for x in was if x != KEPT]
             while body and not body[0].strip():
                 body = body[1:]

@@ -137,13 +137,18 @@ def test_a_suite_run_alone_refreshes_its_section_and_keeps_the_others(tmp_path):
     from cluster.bench.results import KEPT
     page = tmp_path / "results.md"
     write_results(main_rows(), tmp_path / "a", "bench_main_t1")
+    write_results(served_rows(), tmp_path / "a", "bench_served")
     write_page(tmp_path / "a", page)
     first = page.read_text()
     assert "### `bench_main_t1`" in first
+    headline = first[first.index("## Headline"):first.index("## Served")]
+    assert "| strategy |" in headline
     write_results([{"V": 64, "rows": 1, "own_ms_after": 1.0}], tmp_path / "b", "bench_shapes")
     write_page(tmp_path / "b", page)
     second = page.read_text()
-    assert "### `bench_main_t1`" in second and "### `bench_shapes`" in second and second.count(KEPT) == 1
+    assert "### `bench_main_t1`" in second and "### `bench_shapes`" in second and second.count(KEPT) == 3
+    assert second[second.index("## Headline"):second.index("## Served")] == \
+        headline.replace("## Headline: served, one client\n\n", f"## Headline: served, one client\n\n{KEPT}\n\n")
     assert "Not measured in this output: `specserve bench --suite load`" in second
     write_page(tmp_path / "b", page)                      # rendering again: the same page, one mark
     assert page.read_text() == second
