@@ -146,10 +146,10 @@ def _rows(cfg, runtimes: list[str]):
     with ExitStack() as stack:
         stack.callback(lambda: ray.shutdown() if started else None)
         stack.callback(serve.shutdown)
-        for m, (caching, strategy) in modes.items():
+        for i, (m, (caching, strategy)) in enumerate(modes.items()):
             scfg = _caching(dataclasses.replace(base, cluster=dataclasses.replace(
                 base.cluster, app_name=f"chat-{m.replace('+', '-')}")), caching)
-            if rows.keys() & {(_LABEL["cluster"], other) for other in modes}:     # Serve runs: one more application
+            if i:                                                    # Serve runs already: one more application
                 serve.run(build_app(scfg), name=scfg.cluster.app_name, route_prefix=f"/{scfg.cluster.app_name}")
             else:
                 start_serve(scfg)
