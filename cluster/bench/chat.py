@@ -35,10 +35,14 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.bench.report import RUNTIMES, parse_runtimes, print_table, write_results
+from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, served_config
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
 from cluster.local import build_engine
+from cluster.models.build import load_tokenizer
+from cluster.serving.client.sdk import SpecServeClient
+from cluster.serving.fronts.app import build_app, start_serve
 
 GREEDY = SamplingParams(0.0)
 SYSTEM = ("You are a careful assistant for a team that writes Python services. Answer with code when code is "
@@ -136,9 +140,6 @@ def _rows(cfg, runtimes: list[str]):
     import ray
     from ray import serve
 
-    from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, served_config
-    from cluster.serving.client.sdk import SpecServeClient
-    from cluster.serving.fronts.app import build_app, start_serve
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
@@ -176,7 +177,6 @@ def run(args, cfg) -> int:
     turns = check_int("turns", getattr(args, "turns", None) or 4, 1, 16)
     max_new = check_int("max_new_tokens", getattr(args, "max_new_tokens", None) or 24, 1, 256)
     runtimes = parse_runtimes(getattr(args, "runtime", None) or ",".join(RUNTIMES))
-    from cluster.models.build import load_tokenizer
     tok = load_tokenizer(cfg)
     with _rows(cfg, runtimes) as rows:
         table, equal, total, system, tools = _workloads(rows, tok, cfg, convs, turns, max_new)
