@@ -35,14 +35,12 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.bench.report import RUNTIMES, parse_runtimes, print_table, write_results
-from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, served_config
+from cluster.bench.served import local_ray, served_config, serving
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int
 from cluster.local import build_engine
 from cluster.models.build import load_tokenizer
-from cluster.serving.client.sdk import SpecServeClient
-from cluster.serving.fronts.app import build_app, start_serve
 
 GREEDY = SamplingParams(0.0)
 SYSTEM = ("You are a careful assistant for a team that writes Python services. Answer with code when code is "
@@ -137,28 +135,13 @@ def _rows(cfg, runtimes: list[str]):
     if "cluster" not in runtimes:
         yield rows
         return
-    import ray
-    from ray import serve
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
     base = served_config(cfg, "colocated")
-    with ExitStack() as stack:
-        stack.callback(lambda: ray.shutdown() if started else None)
-        stack.callback(serve.shutdown)
+    with local_ray(), ExitStack() as stack:
         for i, (m, (caching, strategy)) in enumerate(modes.items()):
             scfg = _caching(dataclasses.replace(base, cluster=dataclasses.replace(
                 base.cluster, app_name=f"chat-{m.replace('+', '-')}")), caching)
-            if i:                                                    # Serve runs already: one more application
-                serve.run(build_app(scfg), name=scfg.cluster.app_name, route_prefix=f"/{scfg.cluster.app_name}")
-            else:
-                start_serve(scfg)
-            client = SpecServeClient(f"127.0.0.1:{scfg.cluster.grpc_port}", app=scfg.cluster.app_name,
-                                     timeout=REQUEST_TIMEOUT_S, api_key="")
-            stack.callback(client.close)
-            client.wait_ready(READY_TIMEOUT_S)
-            rows[(_LABEL["cluster"], m)] = Served(client, strategy)
+            # the first starts Serve (and shuts it down last); the others join it as applications of their own
+            rows[(_LABEL["cluster"], m)] = Served(stack.enter_context(serving(scfg, join=i > 0)), strategy)
         yield rows
 
 
@@ -201,7 +184,7 @@ def _workloads(rows: dict, tok, cfg, convs: int, turns: int, max_new: int):
         row.turn([tok.encode("hi")], 4)            # as a chat turn runs (what the turn's TTFT is compared with)
         for c in sorted({1, convs}):
             res, wall = row.turn([tok.encode(ASKS[i % len(ASKS)]) for i in range(c)], max_new)
-            table.append(_row(*key[:1], f"one-line c={c}", key[1], 0, res, wall))
+            table.append(_row(key[0], f"one-line c={c}", key[1], 0, res, wall))
     system = tok.encode(SYSTEM)
     history = {key: [list(system) for _ in range(convs)] for key in rows}
     for turn in tqdm(range(1, turns + 1), desc="bench chat", unit="turn"):

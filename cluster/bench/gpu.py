@@ -31,10 +31,9 @@ import torch
 
 from cluster.bench import SUITES, gpu_shapes, projection
 from cluster.bench.load import collect
-from cluster.bench.report import parse_runtimes
 from cluster.bench.load_report import mismatches
 from cluster.bench.measure import drafting_rows, forward_cost_grid
-from cluster.bench.report import print_table, write_results
+from cluster.bench.report import parse_runtimes, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_int

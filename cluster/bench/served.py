@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -51,7 +52,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
 from cluster.family.corpus import heldout_prompts
 from cluster.local import build_engine
-from cluster.serving.fronts.app import start_serve
+from cluster.serving.fronts.app import build_app, start_serve
 from cluster.serving.client.sdk import SpecServeClient
 from cluster.strategies.mag import K as MAG_K
 
@@ -136,6 +137,47 @@ def served_config(cfg, topology: str = "separated"):
         cfg.cluster, topology=topology, grpc_port=grpc_port, http_port=http_port, http_host="127.0.0.1"))
 
 
+@contextmanager
+def local_ray():
+    """A local Ray for a suite's served cells unless the caller already runs one (then shut down, on errors
+    and Ctrl-C too)."""
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@contextmanager
+def serving(scfg, join: bool = False):
+    """Serve ``scfg``'s application on its 127.0.0.1 ports and yield a client once its health service says
+    SERVING.  ``join``: one more application of the Serve already running, on its own route (that Serve's
+    owner shuts it down); otherwise Serve is started here and shut down after, on errors too."""
+    from ray import serve
+    client = None
+    try:
+        if join:
+            serve.run(build_app(scfg), name=scfg.cluster.app_name, route_prefix=f"/{scfg.cluster.app_name}")
+        else:
+            start_serve(scfg)
+        client = SpecServeClient(f"127.0.0.1:{scfg.cluster.grpc_port}", app=scfg.cluster.app_name,
+                                 timeout=REQUEST_TIMEOUT_S, api_key="")
+        client.wait_ready(READY_TIMEOUT_S)
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        if not join:
+            try:
+                serve.shutdown()
+            except Exception as e:       # noqa: BLE001 - still go on (Ray's shutdown, the next cell); say what failed
+                print(f"[bench: serve.shutdown() failed: {type(e).__name__}: {e}]")
+
+
 # -- the suite --------------------------------------------------------------------------------------
 @dataclass
 class Results:
@@ -176,19 +218,13 @@ def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, st
     """Serve ``cfg`` in the topology ``label`` names (``separated+socket``: with that draft channel), run its cells
     (each c = 1 row in-process too, paired request by request); returns how many cells the time limit left out.
     Serve is shut down before returning, whatever happens."""
-    from ray import serve
     topology, channel = split_label(label)
     scfg = served_config(cfg, topology)
     if channel:
         scfg = dataclasses.replace(scfg, cluster=dataclasses.replace(scfg.cluster, draft_channel=channel))
-    client, skipped, first = None, 0, label == plan.topologies[0]
-    try:
-        t0 = time.perf_counter()
-        start_serve(scfg)
-        address = f"127.0.0.1:{scfg.cluster.grpc_port}"
-        client = SpecServeClient(address, app=scfg.cluster.app_name, timeout=REQUEST_TIMEOUT_S, api_key="")
-        client.wait_ready(READY_TIMEOUT_S)
-        print(f"[bench served: cluster up at {address} in {time.perf_counter() - t0:.1f}s "
+    skipped, first, t0 = 0, label == plan.topologies[0], time.perf_counter()
+    with serving(scfg) as client:
+        print(f"[bench served: cluster up at 127.0.0.1:{scfg.cluster.grpc_port} in {time.perf_counter() - t0:.1f}s "
               f"(topology {label}, engine.max_batch {cfg.engine.max_batch})]")
         for name in plan.rows:               # warm-up, untimed: one short request per row, mode and runtime
             strategy, opts = specs[name]
@@ -218,13 +254,6 @@ def _measure_topology(cfg, label: str, plan: Plan, specs, engine, cells, bar, st
                         cells[(in_process(label), name, 1)] = Cell(name, 1, in_process(label), local,
                                                                    request_seconds(local))
                     bar.update(1 + paired)
-    finally:
-        if client is not None:
-            client.close()
-        try:
-            serve.shutdown()
-        except Exception as e:               # noqa: BLE001 - still shut Ray down; say what failed
-            print(f"[bench served: serve.shutdown() failed: {type(e).__name__}: {e}]")
     return skipped
 
 
@@ -255,8 +284,6 @@ def _plan(args, cfg, engine) -> Plan:
 
 def collect(args, cfg) -> Results:
     """Measure, print the tables, write ``bench_served.{csv,json,png}`` to ``args.out``."""
-    import ray
-
     t0 = time.perf_counter()
     engine = build_engine(cfg)
     plan = _plan(args, cfg, engine)
@@ -264,11 +291,8 @@ def collect(args, cfg) -> Results:
     legend = "; ".join(f"{r} = {_describe(r, specs[r], cfg)}" for r in plan.rows)
     print(f"[bench served: in-process engine built in {time.perf_counter() - t0:.1f}s; rows: {legend}]")
     cells: dict[tuple[str, str, int], Cell] = {}
-    started_ray = not ray.is_initialized()
     n_cells = (len(plan.levels) * len(plan.modes) + (1 in plan.levels)) * len(plan.rows) * len(plan.topologies)
-    try:
-        if started_ray:
-            ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    with local_ray():
         bar = tqdm(total=n_cells, desc="bench served", unit="cell")
         start, skipped = time.perf_counter(), 0
         for topology in plan.topologies:
@@ -276,9 +300,6 @@ def collect(args, cfg) -> Results:
         bar.close()
         if skipped:
             print(f"[bench served: --time-limit {plan.time_limit:g}s reached; {skipped} cells not run]")
-    finally:
-        if started_ray:
-            ray.shutdown()
     table, summary, mismatches = report(args, cfg, plan, cells)
     return Results(table, cells, mismatches, plan.rows, plan.levels, summary)
 

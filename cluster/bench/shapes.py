@@ -26,7 +26,7 @@ import yaml
 from tqdm import tqdm
 
 from cluster.bench.report import RUNTIMES, parse_ints, parse_runtimes, print_table, write_results
-from cluster.bench.served import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, WARMUP_TOKENS, served_config
+from cluster.bench.served import WARMUP_TOKENS, local_ray, served_config, serving
 from cluster.bench.served_cells import served_cell
 from cluster.config.paths import default_cache_dir
 from cluster.config.schema import load_config
@@ -34,8 +34,6 @@ from cluster.core.sampling import SamplingParams
 from cluster.engine.engine import Engine
 from cluster.engine.request import GenerationRequest
 from cluster.local import build_engine
-from cluster.serving.client.sdk import SpecServeClient
-from cluster.serving.fronts.app import start_serve
 
 VOCABS = (4096, 32000, 128256)
 ROWS = (1, 8, 32)
@@ -263,22 +261,10 @@ def served_cells(path: Path, root: Path, rows: int, cells: list[tuple[float, str
     move the attention's rounding (no kernel here is batch-invariant).  Greedy outputs are equal all the same; a
     sampled row's draw flips where its uniform falls within that rounding of a boundary of the inverse CDF, which
     grows with V on these near-flat random-weight laws (the ``served_equal`` column: the share of rows equal)."""
-    import ray
-    from ray import serve
-
     out: dict = {}
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
-    try:
+    with local_ray():
         for sampler in samplers:
-            scfg = served_config(config_for(path, sampler, rows, root), "colocated")
-            client = None
-            try:
-                start_serve(scfg)
-                client = SpecServeClient(f"127.0.0.1:{scfg.cluster.grpc_port}", app=scfg.cluster.app_name,
-                                         timeout=REQUEST_TIMEOUT_S, api_key="")
-                client.wait_ready(READY_TIMEOUT_S)
+            with serving(served_config(config_for(path, sampler, rows, root), "colocated")) as client:
                 served_cell(client, prompts, 1, 1, WARMUP_TOKENS, "speculative", options, stream=False,
                             temperature=1.0)
                 for T, strategy in cells:
@@ -290,14 +276,4 @@ def served_cells(path: Path, root: Path, rows: int, cells: list[tuple[float, str
                         "tok_s": sum(len(r.token_ids) for r in ok) / secs if secs else 0.0,
                         "tokens": [r.token_ids if r.error is None else None for r in recs],
                         "failures": len(recs) - len(ok)}
-            finally:
-                if client is not None:
-                    client.close()
-                try:
-                    serve.shutdown()
-                except Exception as e:       # noqa: BLE001 - still go on; say what failed
-                    print(f"[bench shapes: serve.shutdown() failed: {type(e).__name__}: {e}]")
-    finally:
-        if started_ray:
-            ray.shutdown()
     return out
