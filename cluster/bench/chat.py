@@ -34,8 +34,8 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from cluster.bench.report import RUNTIMES, parse_runtimes, print_table, write_results
-from cluster.bench.served import local_ray, served_config, serving
+from cluster.bench.report import RUNTIMES, local_ray, parse_runtimes, print_table, write_results
+from cluster.bench.served import served_config, serving
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import check_int

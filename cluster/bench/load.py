@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from cluster.bench.load_report import goal_lines, lossless_line, make_table, plot
-from cluster.bench.report import RUNTIMES, Timed, parse_ints, parse_runtimes, pct, print_table, write_results
+from cluster.bench.report import RUNTIMES, Timed, local_ray, parse_ints, parse_runtimes, pct, print_table, write_results
 from cluster.core.sampling import SamplingParams
 from cluster.engine.request import GenerationRequest
 from cluster.errors import ParamError, check_float, check_int
@@ -207,21 +208,19 @@ def collect(args, cfg) -> Results:
     prompts = [p["prompt_ids"] for p in heldout_prompts(engine.tokenizer, n)]
     rows = rows_for(engine, cfg)
     drivers = {}
-    coord, cdriver, started = None, None, False
     if "in-process" in runtimes:
         drivers["in-process"] = lambda reqs, c, phases=None: drive_in_process(engine, reqs, c, phases)
-    try:
+    with ExitStack() as stack:
         if "cluster" in runtimes:
-            import ray
             from cluster.serving.control.coordinator import Coordinator
 
-            started = not ray.is_initialized()
-            if started:
-                ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+            stack.enter_context(local_ray())
             t0 = time.perf_counter()
             coord = Coordinator(cfg)
+            stack.callback(coord.shutdown)
             print(f"[bench load: cluster up in {time.perf_counter() - t0:.1f}s (topology {coord.topology})]")
             drivers["cluster"] = cdriver = ClusterDriver(coord)
+            stack.callback(cdriver.close)
         for rt, drive in drivers.items():            # warm-up (not timed): every row at the largest level
             for strategy, opts in rows.values():
                 drive(_requests(prompts, levels[-1], min(WARMUP_TOKENS, max_new), temperature, strategy, opts),
@@ -237,13 +236,6 @@ def collect(args, cfg) -> Results:
                     measured[(rt, name, c)] = Level(rt, name, c, recs, secs, steps, nrows, phases)
                     bar.update()
         bar.close()
-    finally:
-        if coord is not None:
-            coord.shutdown()
-        if cdriver is not None:
-            cdriver.close()
-        if started:
-            ray.shutdown()
     table = make_table(measured, list(drivers), list(rows), levels)
     title = (f"load: closed loop, 2*c requests per level, {len(prompts)} held-out prompts cycled x {max_new} "
              f"tokens, temperature {temperature:g}, config {cfg.source}; ttft/tpot in ms")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,3 +205,18 @@ def cache_columns(c: dict) -> dict:
             "gap_ms": round(1e3 * c["gap_s"] / max(1, c["fills"] + c["late_fills"]), 3),
             "raced_share": round(c.get("raced", 0) / n, 3), "ahead_share": round(c.get("ahead", 0) / n, 3),
             "raced_near": round(c["raced_rounds"] / c["raced"], 2) if c.get("raced") else None}
+
+
+@contextmanager
+def local_ray():
+    """A local Ray for a suite's served cells unless the caller already runs one (then shut down, on errors
+    and Ctrl-C too)."""
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

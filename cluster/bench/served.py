@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from cluster.bench.load import parse_concurrency
 from cluster.bench.served_cells import Cell, in_process, in_process_cell, pair_with, request_seconds, served_cell
+from cluster.bench.report import local_ray
 from cluster.bench.served_report import report
 from cluster.config.layout import DRAFT_CHANNELS, split_label, topology_label
 from cluster.engine.request import GenerationRequest
@@ -135,21 +136,6 @@ def served_config(cfg, topology: str = "separated"):
     grpc_port, http_port = _free_ports(2)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(
         cfg.cluster, topology=topology, grpc_port=grpc_port, http_port=http_port, http_host="127.0.0.1"))
-
-
-@contextmanager
-def local_ray():
-    """A local Ray for a suite's served cells unless the caller already runs one (then shut down, on errors
-    and Ctrl-C too)."""
-    import ray
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="specserve-bench")
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @contextmanager

@@ -25,8 +25,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from cluster.bench.report import RUNTIMES, parse_ints, parse_runtimes, print_table, write_results
-from cluster.bench.served import WARMUP_TOKENS, local_ray, served_config, serving
+from cluster.bench.report import RUNTIMES, local_ray, parse_ints, parse_runtimes, print_table, write_results
+from cluster.bench.served import WARMUP_TOKENS, served_config, serving
 from cluster.bench.served_cells import served_cell
 from cluster.config.paths import default_cache_dir
 from cluster.config.schema import load_config
