@@ -14,13 +14,11 @@ Sliding-window layers (``is_sliding``) keep the full buffer like the others: the
 the window (:mod:`cluster.models.support`), so rollback stays bookkeeping and every layer shares one plan;
 the price is memory, up to (capacity - window) positions per sliding layer and slot that are never read.
 
-The rows' view: when the rows are one slot range, attention gets ``keys[first:first+B, :, :T]`` as a strided
-view once the rows' keys take ``_VIEW_BYTES`` (6 MiB) or more, and a contiguous copy of it below that (logits
-bit-identical either way).  Timed on whole forwards of the embedded family's target, the view is faster for large
-batches of long rows, and slower below the threshold, where the copy's streaming read leaves the rows in cache for
-sdpa while sdpa's own reads of the view are cold; a ``[S, C, Hkv, D]`` layout (sdpa on a transposed view) was
-slower than the copy.  One layer timed alone (hot caches) favours the view at every size and misleads: time whole
-forwards when moving the threshold.
+The rows' view: when the rows are one slot range, attention gets ``keys[first:first+B, :, :T]`` as a strided view
+of the buffer, with no copy (logits equal to the reference worker's, tests/models/test_batched.py).  A contiguous
+copy below a size threshold was tried: timed on whole forwards of the embedded family's target, it tied the view
+on short rows and lost to it on rows of a few hundred positions, where every decoding step copied each layer's
+keys and values.  Rows that are not one slot range are gathered with ``index_select``.
 """
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 _ROUND = 64
-_VIEW_BYTES = 6 << 20       # rows' keys at least this large go to attention as a strided view, not a copy
 
 
 def _round_up(n: int, m: int = _ROUND) -> int:
@@ -96,12 +93,9 @@ class SlotLayer(CacheLayerMixin):
             pos = p.pos.to(self.device)                                         # [B, n]
             self.keys[rows, :, pos] = key_states.transpose(1, 2).to(self.dtype)    # [B, n, Hkv, D]
             self.values[rows, :, pos] = value_states.transpose(1, 2).to(self.dtype)
-        if p.contiguous:     # the strided view, copied while small (module docstring, "The rows' view")
+        if p.contiguous:     # a strided view, no copy (module docstring, "The rows' view")
             sl = slice(p.first, p.first + B)
-            keys, values = self.keys[sl, :, :p.length], self.values[sl, :, :p.length]
-            if keys.numel() * keys.element_size() < _VIEW_BYTES:
-                return keys.contiguous(), values.contiguous()
-            return keys, values
+            return self.keys[sl, :, :p.length], self.values[sl, :, :p.length]
         idx = p.slots.to(self.device)
         return (self.keys[:, :, :p.length].index_select(0, idx),
                 self.values[:, :, :p.length].index_select(0, idx))
