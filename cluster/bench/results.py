@@ -46,6 +46,8 @@ SECTIONS = (
         Table("bench_served_summary", "Side by side per topology and number of clients c: autoregressive tok/s "
               "unary and streamed, every other row's tok/s over autoregressive's as unary / streamed, TTFT p50 (ms, "
               "streamed) of autoregressive / the default."),
+        Table("bench_served_topologies", "What `topology: auto` is judged by: the default row's tok/s in each "
+              "topology measured, the one auto picks for the config, the fastest and its lead over auto's pick."),
         Table("bench_served", "Every cell (ttft / tpot in ms, streamed requests only; in-process at c = 1; "
               "mismatches: greedy outputs that differ from autoregressive's).", SERVED_COLUMNS))),
     Section("main", "Strategies and Hugging Face peers, in-process", "specserve bench", (

@@ -103,6 +103,26 @@ def side_by_side(table: list[dict], rows, levels, topologies) -> list[dict]:
     return out
 
 
+def topology_verdict(table: list[dict], topologies, picked: str) -> list[dict]:
+    """What ``topology: auto`` is judged by: per mode and c, the ``default`` row's tok/s in each topology measured
+    (a request naming no strategy, as users send), the fastest of them and its lead over the one ``auto`` picks for
+    this config (``picked``, :meth:`cluster.config.layout.ClusterSpec.placement`); empty unless ``picked`` and
+    another topology were both measured."""
+    names = [t for t in topologies if "+" not in t]
+    if picked not in names or len(names) < 2:
+        return []
+    at = {(r["topology"], r["mode"], r["concurrency"]): r["tok_s"] for r in table if r["strategy"] == "default"}
+    out = []
+    for mode, c in dict.fromkeys((m, c) for _, m, c in at):
+        speeds = {t: at.get((t, mode, c)) for t in names}
+        if speeds[picked] is None or None in speeds.values():
+            continue
+        fastest = max(speeds, key=speeds.get)
+        out.append({"mode": mode, "c": c, **{f"{t}_tok_s": v for t, v in speeds.items()}, "auto": picked,
+                    "fastest": fastest, "fastest_vs_auto": round(speeds[fastest] / speeds[picked], 3)})
+    return out
+
+
 def plot(cells, rows, levels, runtimes, path: Path) -> None:
     """Per topology two panels vs concurrency (log2 x), a line per row, unary solid and streamed dashed: served
     tok/s (in-process c=1 as an x), and the ratio to autoregressive of the same mode with a dashed line at 1.0."""
@@ -151,9 +171,15 @@ def report(args, cfg, plan, cells) -> tuple[list[dict], list[dict], list[tuple]]
     summary = side_by_side(table, plan.rows, plan.levels, plan.topologies)
     print_table(summary, "side by side: autoregressive tok/s unary and streamed; every other row's tok/s / "
                          "autoregressive's as unary / streamed; TTFT p50 ms (streamed) autoregressive / default")
+    picked, why = cfg.cluster.placement() if cfg.cluster.topology == "auto" else ("", "")
+    verdict = topology_verdict(table, plan.topologies, picked)
+    if verdict:
+        print_table(verdict, f"topology auto: the default row's tok/s per topology; auto picks {picked} here ({why})")
     out = Path(args.out)
     write_results(table, out, "bench_served")
     write_results(summary, out, "bench_served_summary")
+    if verdict:
+        write_results(verdict, out, "bench_served_topologies")
     plot(cells, plan.rows, plan.levels, runtimes, out / "bench_served.png")
     print(f"results written to {out / 'bench_served'}.{{csv,json,png}} and {out / 'bench_served_summary'}.{{csv,json}}")
     print_table(project(), "projection for configs/production-70b.yaml's layout (one decode step, closed form on "

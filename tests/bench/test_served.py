@@ -95,3 +95,21 @@ def test_paired_cell_alternates_served_and_in_process_requests():
     with pytest.raises(ValueError, match="c must be 1"):
         served_cells.served_cell(_Client(log), prompts, 4, 2, 1, "autoregressive", {}, stream=False,
                                  after=lambda j: None)
+
+
+def test_topology_verdict_names_the_fastest_default_row_against_autos_pick():
+    """Per mode and c: the default row's tok/s in each topology, the fastest and its lead over auto's pick; the
+    other strategies' rows do not count, and with only auto's pick measured there is nothing to judge."""
+    from cluster.bench.served_report import topology_verdict
+
+    def row(topology, mode, c, tok_s, strategy="default"):
+        return {"topology": topology, "mode": mode, "concurrency": c, "strategy": strategy, "tok_s": tok_s}
+
+    table = [row("colocated", "unary", 1, 50.0), row("speculator", "unary", 1, 40.0),
+             row("colocated", "unary", 4, 90.0), row("speculator", "unary", 4, 99.0),
+             row("colocated", "unary", 1, 500.0, "mag")]
+    verdict = topology_verdict(table, ["colocated", "speculator"], "speculator")
+    assert [(v["c"], v["fastest"], v["fastest_vs_auto"]) for v in verdict] == [(1, "colocated", 1.25),
+                                                                             (4, "speculator", 1.0)]
+    assert verdict[0]["colocated_tok_s"] == 50.0 and verdict[0]["auto"] == "speculator"
+    assert topology_verdict(table, ["speculator"], "speculator") == []
