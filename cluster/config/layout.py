@@ -263,17 +263,17 @@ class ClusterSpec:
         """(``separated``, ``colocated`` or ``speculator``, why): the topology ``auto`` stands for, decided here only.
         Where the draft side has a whole device of its own (``drafters.num_gpus >= 1``: GPU nodes) drafting in its
         own actor runs beside verification.  A fraction of a GPU is no device of its own: Ray may pack the fractions
-        onto one device, where the draft actor's kernels time-share it with the target's.  Where it has none, a draft
-        actor on the critical path shares the CPU cores (or the device) verification, Serve's proxy and the clients
-        use; the near drafter keeps drafting in the coordinator (no round trip on a miss) and a speculator actor
-        drafts ahead on a spare core (docs/operator-guide.md, "Topologies")."""
+        onto one device, where the draft actor's kernels time-share it with the target's.  Where it has none, the
+        drafters run in the coordinator: a draft actor would share the cores (or the device) that verification,
+        Serve's proxy and the clients use, and the served suite, which prints this choice beside the fastest
+        topology it measured (``bench --suite served``), found the speculator level with colocated drafting or
+        behind it at one client, the only load it speculates at (docs/operator-guide.md, "Topologies")."""
         if self.topology != "auto":
             return self.topology, "named in the config"
         if self.drafters.num_gpus >= 1:
             return "separated", "auto: the draft side has a device of its own (drafters.num_gpus >= 1)"
-        return "speculator", (f"auto: the draft side has no device of its own (drafters.num_gpus = "
-                              f"{self.drafters.num_gpus:g}): drafters in the coordinator answer misses, a "
-                              "speculator actor drafts ahead on a spare core")
+        return "colocated", (f"auto: the draft side has no device of its own (drafters.num_gpus = "
+                             f"{self.drafters.num_gpus:g}): the drafters run in the coordinator")
 
     def tp_placement(self) -> str:
         """The TP group's placement-group strategy: one node (STRICT_PACK) for GPUs unless asked otherwise."""

@@ -49,7 +49,7 @@ def test_on_device_moves_every_model_and_asks_ray_for_a_share_of_the_gpu():
     moved = gpu.on_device(cfg, "cuda")
     assert {s.device for s in moved.models.values()} == {"cuda"}
     assert moved.cluster.coordinator.num_gpus == moved.cluster.drafters.num_gpus == gpu.GPU_SHARE
-    assert moved.cluster.placement()[0] == "speculator"      # a share of the target's device is not one of its own
+    assert moved.cluster.placement()[0] == "colocated"       # a share of the target's device is not one of its own
     assert gpu.on_device(cfg, "cpu").cluster == cfg.cluster
 
 

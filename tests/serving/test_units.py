@@ -147,18 +147,18 @@ def test_draft_group_one_call_per_step_whatever_the_cascade(tiny_engine, grouped
 
 def test_topology_auto_follows_the_draft_sides_device():
     """``auto`` (the default): the draft side in its own actor where it has a whole device (GPU); where it would
-    share CPU cores or a fraction of the target's device, the near drafter in the coordinator and the speculator
-    in an actor; a named topology is kept."""
+    share CPU cores or a fraction of the target's device, the drafters in the coordinator; a named topology is
+    kept."""
     from cluster.config.layout import ActorResources, ClusterSpec
     assert ClusterSpec().topology == "auto"
-    assert ClusterSpec().placement()[0] == "speculator" and "no device" in ClusterSpec().placement()[1]
+    assert ClusterSpec().placement()[0] == "colocated" and "no device" in ClusterSpec().placement()[1]
     gpu = ClusterSpec(drafters=ActorResources(num_gpus=1))
     assert gpu.placement()[0] == "separated"
     shared = ClusterSpec(drafters=ActorResources(num_gpus=0.25))       # a share of a device is not one of its own
-    assert shared.placement()[0] == "speculator" and "num_gpus = 0.25" in shared.placement()[1]
+    assert shared.placement()[0] == "colocated" and "num_gpus = 0.25" in shared.placement()[1]
     assert ClusterSpec(topology="separated").placement() == ("separated", "named in the config")
-    shipped = load_config(ROOT / "configs" / "local.yaml").cluster        # as issue 32 asks: auto, a speculator here
-    assert shipped.topology == "auto" and shipped.placement()[0] == "speculator"
+    shipped = load_config(ROOT / "configs" / "local.yaml").cluster        # auto: colocated on this CPU
+    assert shipped.topology == "auto" and shipped.placement()[0] == "colocated"
 
 
 def test_configs_cluster_sections():
